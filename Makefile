@@ -1,0 +1,40 @@
+# lightning_par3d — run `make help` for the targets.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; a GPU machine installs the CUDA build first (see README) and sets TORCH= to skip this.
+TORCH ?= torch==2.13.0
+DEVICES ?= 4
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test lint bench clean
+
+help:  ## Show this help.
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-8s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed  ## Create .venv with the package, CPU torch and the dev tools.
+
+demo: setup  ## Train the bundled GPT with par3d at dp=2 x tp=2 on 4 CPU processes.
+	$(PY) examples/train.py experiment=demo
+
+test: setup  ## Run the whole test suite (unit + multi-process gloo tests).
+	$(PY) -m pytest
+
+lint: setup  ## ruff, ruff format --check and mypy.
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+bench: setup  ## Benchmarks: par3d against Lightning's own strategies, side by side.
+	$(PY) benchmarks/bench_strategies.py
+
+clean:  ## Remove the virtual environment and run outputs.
+	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache .mypy_cache .ruff_cache

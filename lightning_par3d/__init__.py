@@ -1,0 +1,47 @@
+"""lightning_par3d: one LightningModule, any mix of data, tensor and pipeline parallelism.
+
+Importing the package registers the strategy as ``"par3d"`` for both ``lightning.Trainer`` and ``lightning.Fabric``::
+
+    import lightning as L
+    import lightning_par3d  # noqa: F401  (registers "par3d")
+
+    L.Trainer(strategy="par3d", devices=4)  # fully sharded data parallel over all ranks
+    L.Trainer(devices=4, strategy=lightning_par3d.Par3DStrategy(dp_shard=2, tp=2))
+"""
+
+from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.fabric import Par3DFabricStrategy
+from lightning_par3d.gradients import clip_grad_norm_, total_grad_norm
+from lightning_par3d.mesh import Par3DMesh
+from lightning_par3d.parallelize import parallelize
+from lightning_par3d.strategy import Par3DStrategy
+from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
+
+__all__ = [
+    "STYLE_NAMES",
+    "Layout",
+    "Par3DConfig",
+    "Par3DFabricStrategy",
+    "Par3DMesh",
+    "Par3DStrategy",
+    "clip_grad_norm_",
+    "parallelize",
+    "resolve_layout",
+    "total_grad_norm",
+]
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    description = "par3d: data (FSDP2/HSDP/replicated) × tensor (DTensor) parallel, from one config"
+    if "par3d" not in StrategyRegistry:
+        StrategyRegistry.register("par3d", Par3DStrategy, description=description)
+    if "par3d" not in FABRIC_REGISTRY:
+        FABRIC_REGISTRY.register("par3d", Par3DFabricStrategy, description=description)
+
+
+_register()

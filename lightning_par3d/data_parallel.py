@@ -1,0 +1,77 @@
+"""Data parallelism with FSDP2 ``fully_shard``: full shard, HSDP, or plain replication, chosen by the mesh.
+
+=========================  ==================  ===================================================================
+dp_replicate × dp_shard    FSDP2 mesh          what each rank holds at rest
+=========================  ==================  ===================================================================
+1 × N                      1D ``dp_shard``     1/N of parameters, gradients, optimizer state (ZeRO-3)
+R × N                      2D HSDP             1/N, replicated over R; gradients reduce-scattered then all-reduced
+R × 1                      2D, shard size 1    everything replicated; gradients all-reduced (DDP semantics)
+=========================  ==================  ===================================================================
+
+Blocks are wrapped one by one before the root so that each block's all-gather overlaps the previous block's
+compute and its gathered parameters are freed after use. The root is the LightningModule itself; its step methods
+(``training_step`` …) are registered as FSDP forward methods, because Lightning calls those, not ``forward``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lightning_par3d.patterns import find_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_par3d.mesh import Par3DMesh
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def find_blocks(module: nn.Module, pattern: str | None) -> list[nn.Module]:
+    """The modules FSDP2 wraps before the root: those ``pattern`` matches, else the elements of every
+    ``nn.ModuleList`` (a transformer's repeated blocks). A pattern that matches nothing is an error."""
+    if pattern is not None:
+        found = [sub for _, sub in find_modules(module, pattern)]
+        if not found:
+            raise ValueError(
+                f"fsdp_blocks={pattern!r} matches no module of {type(module).__name__}. Use a module-name pattern "
+                "such as 'transformer.h.*', or leave it unset to wrap each element of the model's ModuleLists."
+            )
+        return found
+    return [block for sub in module.modules() if isinstance(sub, nn.ModuleList) for block in sub]
+
+
+def fsdp_mesh(mesh: Par3DMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1D ``dp_shard`` without replicas, else 2D ``(dp_replicate, dp_shard)``."""
+    return mesh["dp_shard"] if mesh.layout.dp_replicate == 1 else mesh["fsdp"]
+
+
+def shard_data_parallel(
+    module: nn.Module, mesh: Par3DMesh, blocks: list[nn.Module], reshard_after_forward: bool = True
+) -> None:
+    """Applies ``fully_shard`` to each block, then to ``module`` as the root. Does nothing when dp = 1.
+
+    Run it after tensor parallelism and on the meta device: FSDP2 shards the (possibly DTensor) parameters over the
+    data-parallel mesh without moving data.
+    """
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if mesh.layout.dp == 1:
+        return
+    dp_mesh = fsdp_mesh(mesh)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for name in STEP_METHODS:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turns FSDP2's gradient reduction on or off (off on the non-final steps of gradient accumulation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)

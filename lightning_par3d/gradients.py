@@ -1,0 +1,58 @@
+"""Gradient norm and clipping across every parallel dimension.
+
+Under par3d the gradients are DTensors on different meshes: a tensor-parallel weight lives on ``(dp, tp)``, a
+replicated norm weight on ``dp`` only. ``torch.nn.utils.clip_grad_norm_`` cannot stack norms from different meshes,
+so the norm is taken per (mesh, placements) group with ``get_total_norm``, each group's DTensor norm is reduced to
+a plain tensor by DTensor itself (``full_tensor()``: its own all-reduce over the shard dims), and the groups'
+norms are combined. The result is the norm of the whole model's gradient, identical on every rank and equal to
+what a single process computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def _group_key(grad: torch.Tensor) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(grad, DTensor):
+        return (grad.device_mesh, tuple(grad.placements))
+    return None
+
+
+def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, as a plain (non-DTensor) scalar tensor."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(_group_key(grad), []).append(grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    return torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type=norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scales the gradients of ``parameters`` in place so that their global norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1); returns the
+    norm before clipping.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = total_grad_norm(grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(coef.to(local.device, local.dtype))
+    return total

@@ -1,0 +1,22 @@
+"""Module-name patterns, shared by the tensor-parallel plan and the FSDP block selection.
+
+A pattern is a dotted module name in which ``*`` stands for exactly one segment. It matches a module when it equals
+the trailing segments of the module's full name: ``"h.*.mlp"`` matches ``model.transformer.h.3.mlp``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    """Whether ``pattern`` matches the trailing segments of the module name ``fqn``."""
+    want, have = pattern.split("."), fqn.split(".")
+    if len(want) > len(have):
+        return False
+    return all(w in ("*", h) for w, h in zip(want, have[len(have) - len(want) :], strict=True))
+
+
+def find_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The (full name, module) pairs below ``module`` that ``pattern`` matches, in registration order."""
+    return [(name, sub) for name, sub in module.named_modules() if name and matches(pattern, name)]

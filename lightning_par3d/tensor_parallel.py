@@ -1,0 +1,117 @@
+"""Tensor parallelism: find the plan, check it against the model, apply it with ``parallelize_module``.
+
+A plan maps module-name patterns to style strings (:mod:`lightning_par3d.tensor_parallel_styles`). ``*`` stands
+for one name segment, and a pattern matches the trailing segments of a module's full name, so the plan
+``{"h.*.attn.c_attn": "colwise"}`` matches ``model.transformer.h.0.attn.c_attn``, and a transformers model's
+``base_model_tp_plan`` works from whatever attribute the LightningModule keeps the model in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from lightning_par3d.patterns import matches
+from lightning_par3d.tensor_parallel_styles import SPLITTING_STYLES, STYLE_NAMES, build_style, split_size
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# Attribute names under which models keep their attention head counts; tp must divide each of them.
+HEAD_COUNT_ATTRS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head", "n_kv_heads")
+
+
+def find_plan(module: nn.Module, override: Mapping[str, str] | None) -> dict[str, str]:
+    """The plan to apply: the config's override, else the module's ``tp_plan`` attribute or ``tp_plan()`` hook."""
+    if override:
+        return dict(override)
+    plan = getattr(module, "tp_plan", None)
+    if callable(plan):
+        plan = plan()
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"{type(module).__name__}.tp_plan must be a dict of module-name pattern → style string (or a method "
+            f"returning one), got {type(plan).__name__}."
+        )
+    return dict(plan)
+
+
+def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Maps each module full name matched by a pattern of ``plan`` to its style.
+
+    Raises ``ValueError`` for an unknown style, a pattern that matches no module, and a module matched by two
+    patterns with different styles.
+    """
+    names = [name for name, _ in module.named_modules() if name]
+    expanded: dict[str, str] = {}
+    problems: list[str] = []
+    for pattern, style in plan.items():
+        if style not in STYLE_NAMES:
+            problems.append(f"tp_plan[{pattern!r}]={style!r} is not a style. Allowed: {', '.join(STYLE_NAMES)}.")
+            continue
+        hits = [name for name in names if matches(pattern, name)]
+        if not hits:
+            sample = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+            problems.append(
+                f"tp_plan pattern {pattern!r} matches no module of {type(module).__name__}. "
+                f"Module names look like: {sample}. Fix the pattern or remove it."
+            )
+        for name in hits:
+            if expanded.get(name, style) != style:
+                problems.append(f"module {name!r} is matched with two styles, {expanded[name]!r} and {style!r}.")
+            expanded[name] = style
+    if problems:
+        raise ValueError("Invalid tensor-parallel plan:\n" + "\n".join(f"  - {p}" for p in problems))
+    return expanded
+
+
+def check_divisibility(module: nn.Module, fqn_styles: Mapping[str, str], tp: int) -> None:
+    """Raises ``ValueError`` where ``tp`` does not divide a dimension the plan splits or an attention head count."""
+    problems: list[str] = []
+    modules = dict(module.named_modules())
+    for name, style in fqn_styles.items():
+        sub = modules[name]
+        if style in SPLITTING_STYLES:
+            split = split_size(style, sub)
+            if split is None:
+                problems.append(
+                    f"{name!r} is a {type(sub).__name__}; style {style!r} applies to nn.Linear and nn.Embedding."
+                )
+            elif split[1] % tp:
+                problems.append(
+                    f"tp={tp} does not divide {name}.{split[0]}={split[1]} that style {style!r} splits. "
+                    f"Choose tp among {_divisors(split[1])}, or resize the layer."
+                )
+    for name, sub in modules.items():
+        for attr in HEAD_COUNT_ATTRS:
+            value = getattr(sub, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+                where = f"{name}.{attr}" if name else f"{type(sub).__name__}.{attr}"
+                problems.append(
+                    f"tp={tp} does not divide the head count {where}={value}: each tensor-parallel rank must hold "
+                    f"whole attention heads. Choose tp among {_divisors(value)}."
+                )
+    if problems:
+        raise ValueError("Tensor parallelism cannot split this model:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Mapping[str, str]) -> None:
+    """Shards ``module`` in place over ``tp_mesh`` with ``parallelize_module``, one style per planned submodule.
+
+    Works on the meta device: no data moves until the model is materialized.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not fqn_styles or tp_mesh.size() == 1:
+        return
+    modules = dict(module.named_modules())
+    plan = {name: build_style(style, modules[name]) for name, style in fqn_styles.items()}
+    parallelize_module(module, tp_mesh, plan)

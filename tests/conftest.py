@@ -1,0 +1,61 @@
+"""Shared fixtures: the process pools (one spawn per world size per session) and the parity assertion."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.harness import DistPool
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def pool(world_size: int) -> DistPool:
+    """The session's pool of ``world_size`` ranks, started on first use."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = DistPool(world_size)
+    return _POOLS[world_size]
+
+
+@pytest.fixture(scope="session")
+def pool2() -> Iterator[DistPool]:
+    yield pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool4() -> Iterator[DistPool]:
+    yield pool(4)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for p in _POOLS.values():
+        p.close()
+
+
+LOSS_RTOL = 1e-4
+PARAM_RTOL = 1e-4
+
+
+def assert_parity(got: dict, ref: dict) -> None:
+    """Per-step losses within rtol 1e-4, and every parameter tensor within rtol 1e-4 of the reference.
+
+    Parameters are compared tensor by tensor, relative to the tensor's scale: elementwise
+    ``|got - ref| <= 1e-4 * (|ref| + max|ref|)`` and ``||got - ref|| <= 1e-4 * ||ref||``. A weight that Adam
+    has moved through zero has no meaningful elementwise relative error, so the tolerance floor is the tensor's own
+    magnitude, never a fixed atol. A wrong shard, a missed reduction or a skipped step moves weights by O(lr) = 3e-3
+    against a tolerance of about 1e-5, and fails.
+    """
+    assert len(got["losses"]) == len(ref["losses"]), (got["losses"], ref["losses"])
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0.0, msg="per-step losses"
+    )
+    params, ref_params = got["params"], ref["params"]
+    assert params is not None and sorted(params) == sorted(ref_params), "parameter names differ"
+    for name, expected in ref_params.items():
+        actual = params[name].to(expected.dtype)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(actual, expected, rtol=PARAM_RTOL, atol=PARAM_RTOL * scale, msg=name)
+        rel = ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+        assert rel <= PARAM_RTOL, f"{name}: relative error {rel:.2e} > {PARAM_RTOL}"

@@ -1,0 +1,107 @@
+"""Training runs of the example GPT, shared by the single-process reference and the par3d jobs in the pool.
+
+Same seed, same global batch: a par3d run with ``dp`` data-parallel ranks reads ``global_batch / dp`` samples per
+rank through the DistributedSampler that Lightning injects (shuffled with the seed, split over dp ranks only). The
+reference reads ``global_batch`` samples per step through a DistributedSampler over one replica with the same seed,
+which yields the same permutation; so every optimizer step of both runs sees the same set of samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning as L
+from examples.data import ShakespeareDataModule
+from examples.gpt import GPTModule
+
+SEED = 1234
+MODEL = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3)
+# 1282 bytes: 32 training windows of 32 bytes (4 steps of a global batch of 8 per epoch, divisible by every dp size
+# so that no sampler pads) and 8 validation windows.
+DATA = dict(block_size=32, max_bytes=1282, val_fraction=0.2)
+GLOBAL_BATCH = 8
+
+
+class LossRecorder(L.Callback):
+    """Records each training batch's loss averaged over ranks (the data-parallel mean: tp peers hold equal values)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
+
+
+class ReferenceData(ShakespeareDataModule):
+    """The single-process data: the permutation a seeded DistributedSampler gives, read ``global_batch`` at a time."""
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        return DataLoader(self.train_set, self.batch_size, sampler=sampler)
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's parameters on rank 0 (None elsewhere), gathered by torch.distributed.checkpoint."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if dist.get_rank() == 0 else None
+
+
+def run_reference(max_steps: int = 6, model: dict[str, Any] | None = None, **trainer_overrides: Any) -> dict:
+    """The single-process run (Lightning's default strategy on one CPU device)."""
+    L.seed_everything(SEED, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **trainer_overrides))
+    module = GPTModule(**{**MODEL, **(model or {})})
+    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **DATA))
+    return {"losses": recorder.losses, "params": full_state(module)}
+
+
+def run_par3d(
+    strategy: dict[str, Any],
+    devices: int,
+    max_steps: int = 6,
+    model: dict[str, Any] | None = None,
+    ckpt_dir: str | None = None,
+    resume_from: str | None = None,
+    **trainer_overrides: Any,
+) -> dict:
+    """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields."""
+    from lightning_par3d import Par3DStrategy
+
+    L.seed_everything(SEED, verbose=False)
+    par3d = Par3DStrategy(timeout_s=120, **strategy)
+    recorder = LossRecorder()
+    callbacks: list[L.Callback] = [recorder]
+    if ckpt_dir is not None:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1))
+    overrides = dict(max_steps=max_steps, enable_checkpointing=ckpt_dir is not None, **trainer_overrides)
+    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **trainer_kwargs(**overrides))
+    module = GPTModule(**{**MODEL, **(model or {})})
+    dp = par3d.layout.dp
+    trainer.fit(module, ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **DATA), ckpt_path=resume_from)
+    saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
+    return {"losses": recorder.losses, "params": full_state(module), "saved": saved}

@@ -1,0 +1,158 @@
+"""A pool of real gloo processes that one spawn serves for many test cases.
+
+Spawning a process group costs 10–20 s on a small machine, so a :class:`DistPool` starts ``world_size`` processes
+once and then runs one job after another in all of them. Each worker looks like a rank launched by torchrun
+(``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``Trainer(strategy="par3d")`` and
+``Fabric(strategy="par3d")`` inside a job take the externally-launched path and the first job's process group
+serves all later jobs.
+
+Every job has a deadline. A job that fails on some ranks only, or misses its deadline, leaves the process group in
+an unknown state, so the pool is killed and the next job starts a fresh one. Each rank's output goes to its own
+log file, and a failure reports the tail of the failing rank's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A job raised on one or more ranks; carries the first failing rank's exception type and message."""
+
+    def __init__(self, message: str, exc_type: str, exc_message: str, all_ranks_failed: bool) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.all_ranks_failed = all_ranks_failed
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    exc_type: str = ""
+    exc_message: str = ""
+    trace: str = ""
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, outbox: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    log = open(Path(log_dir) / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the worker)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        fn, kwargs = job
+        print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
+        try:
+            outbox.put(_Outcome(rank, True, fn(**kwargs)))
+        except BaseException as e:  # report everything, keep serving
+            outbox.put(_Outcome(rank, False, None, type(e).__name__, str(e), traceback.format_exc()))
+
+
+class DistPool:
+    """``world_size`` spawned gloo ranks that run jobs: plain module-level functions called with keyword args."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._procs: list[Any] = []
+        self._log_dir = tempfile.mkdtemp(prefix=f"par3d-pool{world_size}-")
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self._log_dir, self._inboxes[rank], self._outbox),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Runs ``fn(**kwargs)`` on every rank; returns the results by rank or raises :class:`RankError`."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, kwargs))
+        outcomes = self._collect(timeout)
+        failed = [o for o in outcomes if not o.ok]
+        if len(outcomes) < self.world_size or (failed and len(failed) < self.world_size):
+            self.close()  # a partial failure or a hang leaves collectives mismatched: start afresh next time
+        if len(outcomes) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - {o.rank for o in outcomes})
+            detail = failed[0].trace if failed else self.log_tail(missing[0])
+            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout:.0f} s.\n{detail}")
+        if failed:
+            first = min(failed, key=lambda o: o.rank)
+            raise RankError(
+                f"{fn.__name__} failed on ranks {sorted(o.rank for o in failed)}; rank {first.rank}:\n{first.trace}",
+                first.exc_type,
+                first.exc_message,
+                all_ranks_failed=len(failed) == self.world_size,
+            )
+        return [o.value for o in sorted(outcomes, key=lambda o: o.rank)]
+
+    def _collect(self, timeout: float) -> list[_Outcome]:
+        deadline = time.monotonic() + timeout
+        outcomes: list[_Outcome] = []
+        while len(outcomes) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                outcomes.append(self._outbox.get(timeout=min(remaining, 1.0)))
+            except queue.Empty:
+                if any(not p.is_alive() for p in self._procs):
+                    break  # a rank died (killed, segfault): do not wait for the deadline
+        return outcomes
+
+    def log_tail(self, rank: int, chars: int = 4000) -> str:
+        path = Path(self._log_dir) / f"rank{rank}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+    def close(self) -> None:
+        for inbox in getattr(self, "_inboxes", []):
+            with contextlib.suppress(Exception):
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
