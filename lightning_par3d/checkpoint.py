@@ -40,11 +40,13 @@ def is_sharded_checkpoint(path: Path) -> bool:
 def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank: int) -> None:
     """Writes ``tensors`` with DCP (every rank its own shards) and ``metadata`` with ``torch.save`` (rank 0)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     if path.is_file():
         raise FileExistsError(f"{path} is a file; a par3d checkpoint is a directory. Remove it or choose another path.")
     path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=path)
+    # overwrite=True: Lightning re-saves `last.ckpt` at the same path every time.
+    dcp.save(tensors, storage_writer=FileSystemWriter(path, overwrite=True))
     if rank == 0:
         torch.save(metadata, path / METADATA_FILENAME)
 

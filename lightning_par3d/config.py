@@ -43,8 +43,8 @@ class Par3DConfig:
     """Pipeline-parallel degree. Part of the schema and the mesh already; values above 1 are refused until
     pipelining lands."""
 
-    tp_plan: dict[str, str] | None = None
-    """Overrides the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for one name
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """When not empty, replaces the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for one name
     segment (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a Hugging Face
     ``base_model_tp_plan`` works unchanged. Styles: see :data:`STYLE_NAMES`."""
 
@@ -72,8 +72,8 @@ class Par3DConfig:
 
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig nodes; keep plain Python types inside the config.
-        if self.tp_plan is not None and not isinstance(self.tp_plan, dict):
-            self.tp_plan = dict(self.tp_plan.items())
+        if not isinstance(self.tp_plan, dict):
+            self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,14 @@ The names are Hugging Face transformers' ``tp_plan`` strings, so a transformers 
 ``sequence_parallel``     ``SequenceParallel()``: a norm or dropout computed on sequence-sharded activations.
 ``replicate``             parameters become replicated DTensors over the tp group; inputs and outputs stay local.
 ``embedding_rowwise``     vocabulary-sharded ``nn.Embedding`` (the same as ``rowwise`` on an embedding).
+``rowwise_seq``           par3d: ``RowwiseParallel(output_layouts=Shard(1))``, reduce-scatter into sequence shards,
+                          the entry to a sequence-parallel region.
+``colwise_seq``           par3d: ``ColwiseParallel(input_layouts=Shard(1))``, all-gather the sequence shards first,
+                          the exit from a sequence-parallel region.
 ========================  ==========================================================================================
+
+``sequence_parallel`` expects sequence-sharded input, so use it between a ``rowwise_seq`` and a ``colwise_seq``
+(the Megatron sequence-parallel pattern): norms and dropout then run on 1/tp of the tokens.
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ STYLE_NAMES = (
     "sequence_parallel",
     "replicate",
     "embedding_rowwise",
+    "rowwise_seq",
+    "colwise_seq",
 )
 
 # Styles that split a weight matrix, and which dim of the module they split, for divisibility checks.
-SPLITTING_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise")
+SPLITTING_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "rowwise_seq", "colwise_seq")
 
 
 def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:
@@ -51,9 +60,9 @@ def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:
         if style in ("colwise", "colwise_rep"):
             return "embedding_dim", module.embedding_dim
     if isinstance(module, nn.Linear):
-        if style in ("colwise", "colwise_rep"):
+        if style in ("colwise", "colwise_rep", "colwise_seq"):
             return "out_features", module.out_features
-        if style in ("rowwise", "rowwise_rep"):
+        if style in ("rowwise", "rowwise_rep", "rowwise_seq"):
             return "in_features", module.in_features
     return None
 
@@ -61,7 +70,7 @@ def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:
 def build_style(style: str, module: nn.Module) -> ParallelStyle:
     """The torch ``ParallelStyle`` for ``style`` on ``module``."""
     from torch import nn
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     is_embedding = isinstance(module, nn.Embedding)
@@ -75,6 +84,10 @@ def build_style(style: str, module: nn.Module) -> ParallelStyle:
         return RowwiseParallel()
     if style == "rowwise_rep":
         return RowwiseParallel(input_layouts=Replicate())
+    if style == "rowwise_seq":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if style == "colwise_seq":
+        return ColwiseParallel(input_layouts=Shard(1))
     if style == "sequence_parallel":
         return SequenceParallel()
     if style == "replicate":

@@ -60,6 +60,7 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
+        RANK=str(rank),
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
@@ -151,6 +152,8 @@ class DistPool:
             with contextlib.suppress(Exception):
                 inbox.put(None)
         for p in self._procs:
+            if p.pid is None:
+                continue
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()

@@ -1,0 +1,55 @@
+"""The mesh's rank arithmetic, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_par3d import Layout, Par3DMesh
+from lightning_par3d.mesh import Coords
+
+MESH = Par3DMesh(Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2))  # 16 ranks
+
+
+def test_coords_are_row_major_with_tp_innermost():
+    assert MESH.coords(0) == Coords(0, 0, 0, 0)
+    assert MESH.coords(1) == Coords(0, 0, 0, 1)
+    assert MESH.coords(2) == Coords(0, 0, 1, 0)
+    assert MESH.coords(4) == Coords(0, 1, 0, 0)
+    assert MESH.coords(8) == Coords(1, 0, 0, 0)
+    assert MESH.coords(15) == Coords(1, 1, 1, 1)
+
+
+def test_rank_of_inverts_coords():
+    assert [MESH.rank_of(MESH.coords(r)) for r in range(16)] == list(range(16))
+
+
+def test_groups():
+    assert MESH.group_ranks("tp", 5) == [4, 5]
+    assert MESH.group_ranks("dp_shard", 5) == [5, 7]
+    assert MESH.group_ranks("dp_replicate", 5) == [1, 5]
+    assert MESH.group_ranks("dp", 5) == [1, 3, 5, 7]
+    assert MESH.group_ranks("pp", 5) == [5, 13]
+
+
+def test_dp_rank_orders_replicas_then_shards():
+    assert [MESH.dp_rank(r) for r in (0, 1, 2, 3, 4, 6, 8)] == [0, 0, 1, 1, 2, 3, 0]
+
+
+def test_pipeline_neighbours_wrap():
+    assert MESH.next_pp_rank(5) == 13
+    assert MESH.prev_pp_rank(5) == 13
+    assert MESH.next_pp_rank(13) == 5
+    four = Par3DMesh(Layout(pp=4, dp_replicate=1, dp_shard=1, tp=2))
+    assert [four.next_pp_rank(r) for r in (0, 2, 4, 6)] == [2, 4, 6, 0]
+    assert [four.prev_pp_rank(r) for r in (1, 3)] == [7, 1]
+
+
+def test_bad_queries_raise():
+    with pytest.raises(ValueError, match="Rank 16 is outside the mesh of 16 ranks"):
+        MESH.coords(16)
+    with pytest.raises(ValueError, match="Unknown mesh group 'cp'"):
+        MESH.group_ranks("cp", 0)
+    with pytest.raises(ValueError, match="Coordinate tp=2 is outside the mesh"):
+        MESH.rank_of(Coords(0, 0, 0, 2))
+    with pytest.raises(RuntimeError, match="exists only after the processes have initialized"):
+        _ = MESH.device_mesh

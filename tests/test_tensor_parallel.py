@@ -1,0 +1,217 @@
+"""Tensor-parallel plans: patterns, checks against the model, and each style's numerics against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
+from lightning_par3d.patterns import matches
+from lightning_par3d.tensor_parallel import check_divisibility, expand_plan, find_plan
+from tests.harness import RankError
+
+
+def meta_gpt(**kw: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(**kw))
+
+
+def test_patterns_match_trailing_segments():
+    assert matches("h.*.mlp.c_fc", "model.transformer.h.3.mlp.c_fc")
+    assert matches("lm_head", "model.lm_head")
+    assert not matches("h.*.mlp.c_fc", "model.transformer.h.3.mlp.c_proj")
+    assert not matches("mlp.c_fc.extra", "c_fc")
+    assert not matches("h.*", "model.transformer.h.3.mlp")  # * is one segment and the match is anchored at the end
+
+
+def test_gpt_plan_expands_to_every_block():
+    styles = expand_plan(meta_gpt(n_layer=3), GPT_TP_PLAN)
+    assert styles["transformer.h.2.attn.q_proj"] == "colwise"
+    assert styles["transformer.h.0.mlp.c_proj"] == "rowwise"
+    assert styles["lm_head"] == "colwise_rep"
+    assert len(styles) == 2 + 3 * 6
+
+
+def test_a_transformers_plan_works_unchanged():
+    """The exact strings of a Hugging Face Llama `base_model_tp_plan`, on a module tree with Llama's names."""
+    hf_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn, self.mlp = Attn(), MLP()
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([Layer(), Layer()])
+    styles = expand_plan(model, hf_plan)
+    assert styles["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert len(styles) == 14
+
+
+def test_pattern_matching_nothing_names_the_pattern_and_the_real_names():
+    with pytest.raises(ValueError, match="tp_plan pattern 'blocks.\\*.fc' matches no module of GPT") as err:
+        expand_plan(meta_gpt(), {"blocks.*.fc": "colwise"})
+    assert "Module names look like: transformer, transformer.wte" in str(err.value)
+
+
+def test_unknown_style_and_conflicting_patterns():
+    with pytest.raises(ValueError, match="'lm_head'\\]='vocab' is not a style"):
+        expand_plan(meta_gpt(), {"lm_head": "vocab"})
+    with pytest.raises(ValueError, match="matched with two styles, 'colwise' and 'rowwise'"):
+        expand_plan(meta_gpt(), {"h.*.mlp.c_fc": "colwise", "mlp.c_fc": "rowwise"})
+
+
+def test_tp_must_divide_the_split_dimension():
+    model = meta_gpt(vocab_size=250)
+    with pytest.raises(ValueError, match="tp=4 does not divide transformer.wte.num_embeddings=250 that style") as e:
+        check_divisibility(model, expand_plan(model, GPT_TP_PLAN), tp=4)
+    assert "Choose tp among [1, 2, 5, 10, 25, 50, 125, 250], or resize the layer" in str(e.value)
+
+
+def test_tp_must_divide_the_head_count():
+    model = meta_gpt(n_embd=48, n_head=6)
+    with pytest.raises(ValueError, match="tp=4 does not divide the head count transformer.h.0.attn.n_head=6") as e:
+        check_divisibility(model, expand_plan(model, GPT_TP_PLAN), tp=4)
+    assert "Choose tp among [1, 2, 3, 6]" in str(e.value)
+
+
+def test_splitting_styles_need_linear_or_embedding():
+    model = meta_gpt()
+    with pytest.raises(ValueError, match="'transformer.ln_f' is a LayerNorm; style 'colwise' applies to nn.Linear"):
+        check_divisibility(model, expand_plan(model, {"ln_f": "colwise"}), tp=2)
+
+
+def test_find_plan_sources():
+    class WithAttr(nn.Module):
+        tp_plan = {"a": "colwise"}
+
+    class WithHook(nn.Module):
+        def tp_plan(self) -> dict[str, str]:
+            return {"b": "rowwise"}
+
+    class Bad(nn.Module):
+        tp_plan = ["a"]
+
+    assert find_plan(WithAttr(), None) == {"a": "colwise"}
+    assert find_plan(WithHook(), None) == {"b": "rowwise"}
+    assert find_plan(WithAttr(), {"c": "replicate"}) == {"c": "replicate"}
+    assert find_plan(nn.Linear(1, 1), None) == {}
+    with pytest.raises(TypeError, match="Bad.tp_plan must be a dict"):
+        find_plan(Bad(), None)
+
+
+# ---------------------------------------------------------------- multi-process
+
+
+class StyleNet(nn.Module):
+    """Exercises every style: vocab-parallel embedding, replicated norm, colwise→rowwise pair, rowwise_rep on a
+    replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, and a colwise_rep head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.sp_in = nn.Linear(8, 16)
+        self.sp_out = nn.Linear(16, 8)
+        self.sp_norm = nn.LayerNorm(8)
+        self.sp_up = nn.Linear(8, 16)
+        self.sp_down = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    plan = {
+        "emb": "embedding_rowwise",
+        "norm": "replicate",
+        "up": "colwise",
+        "down": "rowwise",
+        "mix": "rowwise_rep",
+        "sp_in": "colwise",
+        "sp_out": "rowwise_seq",
+        "sp_norm": "sequence_parallel",
+        "sp_up": "colwise_seq",
+        "sp_down": "rowwise",
+        "head": "colwise_rep",
+    }
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.emb(idx))  # (B, T, 8)
+        x = x + self.down(torch.relu(self.up(x)))  # (B, T, 8)
+        x = x + self.mix(x)  # (B, T, 8)
+        s = self.sp_norm(self.sp_out(torch.relu(self.sp_in(x))))  # (B, T / tp, 8) sequence-sharded
+        x = x + self.sp_down(torch.relu(self.sp_up(s)))  # (B, T, 8)
+        return self.head(x)  # (B, T, 16)
+
+
+def style_parity_job(plan: dict[str, str]) -> float:
+    """Trains StyleNet for 5 AdamW steps under the plan at tp=world and once unsharded; returns the max relative
+    difference of the losses and parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par3d.tensor_parallel import apply_tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    ref = StyleNet()
+    par = StyleNet()
+    par.load_state_dict(ref.state_dict())
+    apply_tensor_parallel(par, mesh, expand_plan(par, plan))
+    worst = 0.0
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, par)]
+    for step in range(5):
+        idx = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(step))
+        losses = []
+        for model, opt in zip((ref, par), opts, strict=True):
+            loss = nn.functional.cross_entropy(model(idx).reshape(-1, 16), idx.roll(1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[0]))
+    for (name, p_ref), p_par in zip(ref.named_parameters(), par.parameters(), strict=True):
+        full = p_par.full_tensor() if hasattr(p_par, "full_tensor") else p_par
+        worst = max(worst, ((full - p_ref).norm() / p_ref.norm()).item())
+    return worst
+
+
+def test_every_style_matches_one_process(pool2):
+    from lightning_par3d import STYLE_NAMES
+
+    assert set(StyleNet.plan.values()) == set(STYLE_NAMES)
+    worst = pool2.run(style_parity_job, plan=StyleNet.plan)
+    assert max(worst) <= 1e-5, worst
+
+
+def test_bad_plan_errors_on_every_rank_instead_of_hanging(pool4):
+    """A plan problem found after the process group exists raises the same error on all ranks, before any
+    collective, so the run ends at once with the message rather than waiting on a peer."""
+    from tests.gpt_runs import run_par3d
+
+    with pytest.raises(RankError) as err:
+        pool4.run(run_par3d, strategy=dict(tp=4, tp_plan={"h.*.mlp.fc": "colwise"}), devices=4, timeout=120)
+    assert err.value.all_ranks_failed
+    assert "tp_plan pattern 'h.*.mlp.fc' matches no module of GPTModule" in err.value.exc_message
