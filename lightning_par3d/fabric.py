@@ -1,6 +1,6 @@
 """``Fabric(strategy="par3d")``: the same parallelization for Fabric scripts.
 
-Build the model under ``fabric.init_module(empty_init=True)`` (real on rank 0, meta elsewhere with the default
+Build the model under ``fabric.init_module()`` (real on rank 0, meta elsewhere with the default
 ``init="rank0"``), then ``model = fabric.setup_module(model)`` and create the optimizer from the parallelized
 parameters::
 

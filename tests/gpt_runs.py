@@ -87,6 +87,7 @@ def run_par3d(
     model: dict[str, Any] | None = None,
     ckpt_dir: str | None = None,
     resume_from: str | None = None,
+    data: dict[str, Any] | None = None,
     **trainer_overrides: Any,
 ) -> dict:
     """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields."""
@@ -102,6 +103,7 @@ def run_par3d(
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **trainer_kwargs(**overrides))
     module = GPTModule(**{**MODEL, **(model or {})})
     dp = par3d.layout.dp
-    trainer.fit(module, ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **DATA), ckpt_path=resume_from)
+    datamodule = ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **{**DATA, **(data or {})})
+    trainer.fit(module, datamodule, ckpt_path=resume_from)
     saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
     return {"losses": recorder.losses, "params": full_state(module), "saved": saved}
