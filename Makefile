@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(if $(TORCH),$(PY) -m pip install -q $(TORCH))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

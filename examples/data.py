@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
-
-import lightning as L
 
 BUNDLED_TEXT = Path(__file__).parent / "data" / "tinyshakespeare_200k.txt"
 

@@ -15,11 +15,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, so that `examples.*` imports
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning as L
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
 

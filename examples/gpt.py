@@ -14,11 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import lightning as L
 
 
 @dataclass

@@ -17,10 +17,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, so that `examples.*` targets import
 
 import hydra
+import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import lightning as L
 import lightning_par3d  # noqa: F401  (registers "par3d")
 from lightning_par3d.hydra import register_configs
 

@@ -51,9 +51,7 @@ def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any], 
         torch.save(metadata, path / METADATA_FILENAME)
 
 
-def load_sharded(
-    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
-) -> dict[str, Any]:
+def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True) -> dict[str, Any]:
     """Loads the model's and optimizers' shards in place (at the layout they were saved with or any other that
     DCP can reshard to) and returns the rest of the checkpoint."""
     import torch.distributed.checkpoint as dcp

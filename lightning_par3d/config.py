@@ -44,9 +44,9 @@ class Par3DConfig:
     pipelining lands."""
 
     tp_plan: dict[str, str] = field(default_factory=dict)
-    """When not empty, replaces the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for one name
-    segment (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a Hugging Face
-    ``base_model_tp_plan`` works unchanged. Styles: see :data:`STYLE_NAMES`."""
+    """When not empty, replaces the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for
+    one name segment (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a
+    Hugging Face ``base_model_tp_plan`` works unchanged. Styles: see :data:`STYLE_NAMES`."""
 
     fsdp_blocks: str | None = None
     """Module-name pattern of the blocks that FSDP2 wraps one by one before the root (``"transformer.h.*"``).

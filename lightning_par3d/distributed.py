@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+
 from lightning_par3d.config import Layout
 from lightning_par3d.mesh import Par3DMesh
 

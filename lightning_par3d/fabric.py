@@ -18,12 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.nn import Module
-from torch.optim import Optimizer
-from typing_extensions import override
-
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -34,6 +28,12 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
 from lightning_par3d import checkpoint as ckpt
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.data_parallel import set_gradient_sync
@@ -128,7 +128,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         assert self.cluster_environment is not None
         backend = init_distributed(
             self.cluster_environment, self.root_device, self._process_group_backend, self.config.timeout_s
@@ -215,16 +215,8 @@ class Par3DFabricStrategy(ParallelStrategy):
         """Saves ``state`` as a sharded DCP directory: modules and optimizers by shard, the rest in ``meta.pt``."""
         if storage_options is not None or filter is not None:
             raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`/`filter`.")
-        module = _single_module(state)
-        tensors: dict[str, Any] = {}
-        metadata: dict[str, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                tensors[key] = ckpt.model_state(obj)
-            elif isinstance(obj, Optimizer):
-                tensors[key] = ckpt.optimizer_state(module, obj)
-            else:
-                metadata[key] = obj
+        tensors = _sharded_states(state)
+        metadata = {key: obj for key, obj in state.items() if key not in tensors}
         ckpt.save_sharded(Path(self.broadcast(path)), tensors, metadata, self.global_rank)
 
     @override
@@ -237,8 +229,11 @@ class Par3DFabricStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         """Restores the modules and optimizers in ``state`` in place; returns the remaining saved entries."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if not isinstance(state, dict):
             raise TypeError("par3d loads into a dict of objects, e.g. state={'model': model, 'optimizer': optimizer}.")
@@ -246,12 +241,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         if not ckpt.is_sharded_checkpoint(path):
             raise ValueError(f"{path} is not a par3d checkpoint directory (no torch.distributed.checkpoint metadata).")
         module = _single_module(state)
-        tensors: dict[str, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                tensors[key] = ckpt.model_state(obj)
-            elif isinstance(obj, Optimizer):
-                tensors[key] = ckpt.optimizer_state(module, obj)
+        tensors = _sharded_states(state)
         dcp.load(tensors, checkpoint_id=path)
         for key, obj in state.items():
             if isinstance(obj, Module):
@@ -263,6 +253,18 @@ class Par3DFabricStrategy(ParallelStrategy):
             if key in state and not isinstance(state[key], (Module, Optimizer)):
                 state[key] = metadata.pop(key)
         return metadata
+
+
+def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
+    """The sharded state dicts of the model and optimizers in ``state``, by key (DCP loads into them in place)."""
+    module = _single_module(state)
+    tensors: dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, Module):
+            tensors[key] = ckpt.model_state(obj)
+        elif isinstance(obj, Optimizer):
+            tensors[key] = ckpt.optimizer_state(module, obj)
+    return tensors
 
 
 def _single_module(state: dict[str, Any]) -> Module:

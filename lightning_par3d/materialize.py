@@ -48,9 +48,7 @@ def capture_rank0_state(module: nn.Module, rank: int) -> Rank0State:
     if rank == 0 and has_real_tensors(module):
         state.state_dict = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         state.extra_buffers = {
-            name: buf.detach().cpu().clone()
-            for name, buf in _non_persistent_buffers(module)
-            if not buf.is_meta
+            name: buf.detach().cpu().clone() for name, buf in _non_persistent_buffers(module) if not buf.is_meta
         }
     module.to("meta")
     return state
@@ -83,7 +81,7 @@ def _load_from_rank0(module: nn.Module, state: Rank0State) -> None:
     from torch.distributed.tensor import DTensor
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-    set_model_state_dict(module, state.state_dict, options=options)
+    set_model_state_dict(module, dict(state.state_dict), options=options)
     for name, buf in _non_persistent_buffers(module):
         local = buf.to_local() if isinstance(buf, DTensor) else buf
         if dist.get_rank() == 0:

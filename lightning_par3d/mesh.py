@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_par3d.config import Layout
 
@@ -110,7 +110,7 @@ class Par3DMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         options = _backend_options(backend, timeout)
-        override = {name: (backend, options) for name in DIM_NAMES} if options is not None else None
+        override: Any = {name: (backend, options) for name in DIM_NAMES} if options is not None else None
         mesh = init_device_mesh(device_type, layout_shape(layout), mesh_dim_names=DIM_NAMES, backend_override=override)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return cls(layout, mesh)
@@ -128,12 +128,12 @@ def layout_shape(layout: Layout) -> tuple[int, int, int, int]:
     return (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
 
 
-def _backend_options(backend: str, timeout: timedelta) -> object | None:
+def _backend_options(backend: str, timeout: timedelta) -> Any:
     """Process-group options that carry ``timeout`` to the mesh's sub-groups (they default to 30 minutes)."""
     import torch.distributed as dist
 
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     elif backend == "nccl" and dist.is_nccl_available():
         options = dist.ProcessGroupNCCL.Options()
     else:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning.pytorch.plugins.precision import Precision
 from lightning_par3d.gradients import clip_grad_norm_
 
 

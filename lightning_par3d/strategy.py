@@ -7,13 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.optim import Optimizer
-from typing_extensions import override
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
@@ -27,6 +22,11 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
 from lightning_par3d import checkpoint as ckpt
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.data_parallel import set_gradient_sync
@@ -135,7 +135,7 @@ class Par3DStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else Par3DPrecision()
@@ -179,7 +179,7 @@ class Par3DStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- model
     @contextmanager
@@ -278,9 +278,7 @@ class Par3DStrategy(ParallelStrategy):
         """Nothing to do: :meth:`load_checkpoint` already restored the shards in place."""
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`.")
         path = Path(self.broadcast(filepath))

@@ -47,7 +47,15 @@ STYLE_NAMES = (
 )
 
 # Styles that split a weight matrix, and which dim of the module they split, for divisibility checks.
-SPLITTING_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding_rowwise", "rowwise_seq", "colwise_seq")
+SPLITTING_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "rowwise_seq",
+    "colwise_seq",
+)
 
 
 def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:

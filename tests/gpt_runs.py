@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning as L
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
 

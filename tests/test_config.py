@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 
-import lightning as L
 from lightning_par3d import Layout, Par3DConfig, Par3DStrategy, resolve_layout
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
 from examples.fabric_train import fabric_train
 from examples.gpt import GPT_TP_PLAN
 from tests.conftest import assert_parity
@@ -65,9 +65,7 @@ def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path):
     assert len(list(last.glob("*.distcp"))) == 4  # one shard file per rank
     resumed = run(max_steps=8, resume_from=str(last))[0]
     assert len(resumed["losses"]) == 4
-    torch.testing.assert_close(
-        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][4:]), rtol=0, atol=1e-6
-    )
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][4:]), rtol=0, atol=1e-6)
     for name, value in whole["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -12,7 +13,6 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import read_write
 
-import lightning as L
 from examples.train import build_trainer
 from lightning_par3d import Par3DStrategy
 from lightning_par3d.hydra import register_configs
