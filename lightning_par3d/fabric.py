@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_par3d import checkpoint as ckpt
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.data_parallel import set_gradient_sync
+from lightning_par3d.data_parallel import no_gradient_sync
 from lightning_par3d.distributed import build_mesh, init_distributed
 from lightning_par3d.gradients import clip_grad_norm_
 from lightning_par3d.materialize import build_context
@@ -149,7 +149,7 @@ class Par3DFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        report = parallelize(module, self.mesh, self.config, self.root_device)
+        module, report = parallelize(module, self.mesh, self.config, self.root_device)
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
         return module
 
@@ -284,11 +284,8 @@ class _FSDPBackwardSyncControl(_BackwardSyncControl):
 
 @contextmanager
 def _no_sync(module: Module, enabled: bool) -> Generator[None, None, None]:
-    inner = getattr(module, "_forward_module", module)
-    if enabled:
-        set_gradient_sync(inner, False)
-    try:
+    if not enabled:
         yield
-    finally:
-        if enabled:
-            set_gradient_sync(inner, True)
+        return
+    with no_gradient_sync(getattr(module, "_forward_module", module)):
+        yield

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.data_parallel import find_blocks, shard_data_parallel
+from lightning_par3d.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel, uses_ddp
 from lightning_par3d.materialize import capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.tensor_parallel import apply_tensor_parallel, check_divisibility, expand_plan, find_plan
@@ -31,19 +31,25 @@ from lightning_par3d.tensor_parallel import apply_tensor_parallel, check_divisib
 class ParallelizeReport:
     """What :func:`parallelize` did, for the log line."""
 
+    data_parallel: str
     tp_modules: int
-    fsdp_blocks: int
     initialized_from: str
 
     def __str__(self) -> str:
         return (
-            f"tensor-parallel modules: {self.tp_modules}, FSDP blocks: {self.fsdp_blocks}, "
-            f"weights from: {self.initialized_from}"
+            f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
+            f"weights from {self.initialized_from}"
         )
 
 
-def parallelize(module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device) -> ParallelizeReport:
-    """Applies tensor and data parallelism to ``module`` in place and materializes it on ``device``."""
+def parallelize(
+    module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device
+) -> tuple[nn.Module, ParallelizeReport]:
+    """Applies tensor and data parallelism to ``module`` and materializes it on ``device``.
+
+    Returns the module to train: ``module`` itself (parallelized in place), or, for pure replication without
+    tensor parallelism, ``module`` wrapped in ``DistributedDataParallel``.
+    """
     import torch.distributed as dist
 
     layout = mesh.layout
@@ -57,7 +63,7 @@ def parallelize(module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device:
             )
         fqn_styles = expand_plan(module, plan)
         check_divisibility(module, fqn_styles, layout.tp)
-    blocks = find_blocks(module, config.fsdp_blocks) if layout.dp > 1 else []
+    blocks = find_blocks(module, config.fsdp_blocks) if layout.dp > 1 and layout.dp_shard > 1 else []
 
     rank = dist.get_rank()
     state = capture_rank0_state(module, rank)
@@ -67,11 +73,26 @@ def parallelize(module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device:
     shard_data_parallel(module, mesh, blocks, reshard_after_forward=config.reshard_after_forward)
     materialize(module, device, state, source_is_rank0=from_rank0)
     sync_rng_from_rank0()
-    return ParallelizeReport(
+    report = ParallelizeReport(
+        data_parallel=_describe_data_parallel(mesh, len(blocks)),
         tp_modules=len(fqn_styles),
-        fsdp_blocks=len(blocks),
         initialized_from="rank 0 (broadcast)" if from_rank0 else "reset_parameters() on each rank",
     )
+    if uses_ddp(mesh):
+        return replicate_with_ddp(module, mesh, device), report
+    return module, report
+
+
+def _describe_data_parallel(mesh: Par3DMesh, blocks: int) -> str:
+    layout = mesh.layout
+    if layout.dp == 1:
+        return "none"
+    if uses_ddp(mesh):
+        return f"DDP over {layout.dp} replicas"
+    if layout.dp_shard == 1:
+        return f"FSDP2 replicated over {layout.dp} ranks (one unit)"
+    kind = "HSDP" if layout.dp_replicate > 1 else "FSDP2"
+    return f"{kind} ({blocks} blocks + root)"
 
 
 def _any_rank0(captured: bool) -> bool:

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_par3d import checkpoint as ckpt
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.data_parallel import set_gradient_sync
+from lightning_par3d.data_parallel import no_gradient_sync
 from lightning_par3d.distributed import build_mesh, init_distributed
 from lightning_par3d.materialize import build_context
 from lightning_par3d.mesh import Par3DMesh
@@ -196,7 +196,7 @@ class Par3DStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        report = parallelize(self.model, self.mesh, self.config, self.root_device)
+        self.model, report = parallelize(self.model, self.mesh, self.config, self.root_device)
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -205,20 +205,17 @@ class Par3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     @override
-    def model_to_device(self) -> None:
+    def model_to_device(self) -> None:  # parallelize() materialized every shard on the device already
         assert self.model is not None
         self.model.to(self.root_device)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skips FSDP2's gradient reduction on the non-final batches of ``accumulate_grad_batches``."""
+        """Skips the gradient reduction on the non-final batches of ``accumulate_grad_batches``."""
         assert self.model is not None
-        set_gradient_sync(self.model, False)
-        try:
+        with no_gradient_sync(self.model):
             yield
-        finally:
-            set_gradient_sync(self.model, True)
 
     # ---------------------------------------------------------------- collectives
     @override

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_workflow_passes_actionlint():
-    actionlint = shutil.which("actionlint")
+    beside_python = Path(sys.executable).with_name("actionlint")
+    actionlint = str(beside_python) if beside_python.exists() else shutil.which("actionlint")
     assert actionlint, "actionlint is part of the test extra: pip install -e '.[test]'"
     out = subprocess.run([actionlint, "-no-color"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,182 @@
+"""par3d against Lightning's own strategies at the same layout: median step times and ratios.
+
+    python benchmarks/bench_strategies.py [--rounds 5] [--steps 30]
+
+All runs share one pool of 4 gloo processes (one process tree), the same GPT, the same global batch and the same
+data. Each round runs every pair A/B back to back, swapping which goes first, so that slow drift of the machine
+hits both sides alike. Each configuration first runs once, unmeasured (first-run costs such as thread pools and
+lazy initialization), and each run drops its warm-up steps. A step's time is the slowest rank's time for that
+step; the table gives the median over all kept steps of all rounds, and the ratio par3d / peer (target: ≤ 1.05).
+
+Pairs:
+  * dp=2 × tp=2: par3d against ``ModelParallelStrategy`` whose ``configure_model`` applies the same plan by hand;
+  * dp=4 sharded: par3d (``dp_shard=4``) against ``FSDPStrategy`` (FULL_SHARD, one unit per block). Lightning's
+    FSDPStrategy refuses ``accelerator="cpu"`` ("requires a GPU accelerator"), so on CPU the peer is Lightning's
+    other sharded strategy, ``ModelParallelStrategy(data_parallel_size=4)`` with FSDP2 applied by hand;
+  * dp=4 replicated: par3d (``dp_replicate=4``) against ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L
+import torch
+
+from examples.data import ShakespeareDataModule
+from examples.gpt import GPT, Block, GPTModule
+
+MODEL = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
+GLOBAL_BATCH = 16
+WORLD = 4
+
+
+class HandWiredGPT(GPTModule):
+    """What a ModelParallelStrategy user writes today: the same TP plan and FSDP2 wrapping, by hand."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.model is not None:
+            return
+        self.model = GPT(self.gpt_config)
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        plan: dict[str, Any] = {
+            "transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        }
+        for i in range(len(self.model.transformer.h)):
+            plan.update(
+                {
+                    f"transformer.h.{i}.attn.q_proj": ColwiseParallel(),
+                    f"transformer.h.{i}.attn.k_proj": ColwiseParallel(),
+                    f"transformer.h.{i}.attn.v_proj": ColwiseParallel(),
+                    f"transformer.h.{i}.attn.c_proj": RowwiseParallel(),
+                    f"transformer.h.{i}.mlp.c_fc": ColwiseParallel(),
+                    f"transformer.h.{i}.mlp.c_proj": RowwiseParallel(),
+                }
+            )
+        if tp_mesh.size() > 1:
+            parallelize_module(self.model, tp_mesh, plan)
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(self.model, mesh=dp_mesh)
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def make_strategy(name: str) -> Any:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_par3d import Par3DStrategy
+
+    if name == "par3d dp2×tp2":
+        return Par3DStrategy(dp_shard=2, tp=2)
+    if name == "ModelParallel dp2×tp2":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    if name == "par3d dp_shard=4":
+        return Par3DStrategy(dp_shard=4)
+    if name == "FSDP dp=4":
+        return FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    if name == "ModelParallel dp=4":
+        return ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
+    if name == "par3d dp_replicate=4":
+        return Par3DStrategy(dp_replicate=4, dp_shard=1)
+    if name == "DDP dp=4":
+        return DDPStrategy()
+    raise ValueError(name)
+
+
+def timed_run(name: str, steps: int, warmup: int) -> list[float]:
+    """One training run in a pool worker; returns each kept step's time, the max over ranks."""
+    import torch.distributed as dist
+
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator=ACCELERATOR,
+        devices=WORLD,
+        strategy=make_strategy(name),
+        max_steps=steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    module_cls = HandWiredGPT if name.startswith("ModelParallel") else GPTModule
+    dp = 2 if "tp2" in name else WORLD
+    data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_bytes=200_000)
+    trainer.fit(module_cls(**MODEL), data)
+    local = torch.tensor(timer.times[warmup:])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.tolist()
+
+
+ACCELERATOR = "gpu" if torch.cuda.device_count() >= WORLD else "cpu"
+PAIRS = [
+    ("par3d dp2×tp2", "ModelParallel dp2×tp2"),
+    ("par3d dp_shard=4", "FSDP dp=4" if ACCELERATOR == "gpu" else "ModelParallel dp=4"),
+    ("par3d dp_replicate=4", "DDP dp=4"),
+]
+
+
+def main() -> None:
+    from tests.harness import DistPool
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", default=None, help="run only the pairs whose par3d name contains this")
+    args = parser.parse_args()
+
+    pairs = [p for p in PAIRS if args.only is None or args.only in p[0]]
+    times: dict[str, list[float]] = {name: [] for pair in pairs for name in pair}
+    pool = DistPool(WORLD)
+    try:
+        for a, b in pairs:  # one discarded run each: first-run costs (thread pools, lazy init) hit no measurement
+            for name in (a, b):
+                pool.run(timed_run, timeout=900, name=name, steps=args.warmup + 1, warmup=args.warmup)
+        for r in range(args.rounds):
+            for a, b in pairs:
+                for name in (a, b) if r % 2 == 0 else (b, a):
+                    got = pool.run(timed_run, timeout=900, name=name, steps=args.steps, warmup=args.warmup)[0]
+                    times[name].extend(got)
+                    print(f"round {r + 1}/{args.rounds}  {name:24s} median {statistics.median(got) * 1e3:7.1f} ms")
+    finally:
+        pool.close()
+
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
+    print(f"\n{WORLD} {ACCELERATOR.upper()} ranks on {machine}; GPT {MODEL}, global batch {GLOBAL_BATCH}; ")
+    print(f"{args.rounds} rounds × {args.steps - args.warmup} kept steps per run\n")
+    print("| layout | par3d (ms/step) | peer | peer (ms/step) | par3d / peer |")
+    print("|---|---:|---|---:|---:|")
+    for a, b in pairs:
+        ma, mb = statistics.median(times[a]) * 1e3, statistics.median(times[b]) * 1e3
+        print(f"| {a.removeprefix('par3d ')} | {ma:.1f} | {b} | {mb:.1f} | {ma / mb:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
