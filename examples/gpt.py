@@ -93,7 +93,9 @@ class GPT(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                # A ModuleDict keyed "0", "1", …: a pipeline stage deletes the blocks it does not own and every
+                # other name stays as it is (checkpoints name parameters the same way at every layout).
+                h=nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)}),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
             )
         )
@@ -113,14 +115,16 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _, T = idx.shape
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, n_embd)
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under pipeline parallelism a stage holds only some of these modules; the others are None.
+        if self.transformer.wte is not None:  # first stage: token ids (B, T) → embeddings
+            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))  # (B, T, n_embd)
+        for block in self.transformer.h.values():
             x = block(x)  # (B, T, n_embd)
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
+        if self.lm_head is not None:  # last stage: embeddings → logits
+            x = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
+        return x
 
 
 GPT_TP_PLAN = {
@@ -140,6 +144,8 @@ class GPTModule(L.LightningModule):
     """Next-byte prediction with :class:`GPT`. The same module trains on one device and under any par3d layout."""
 
     tp_plan = GPT_TP_PLAN
+    pipeline_trunk = "model"  # under pp > 1, par3d splits this module into stages ...
+    pipeline_loss = "loss_fn"  # ... and applies this loss on the last stage
 
     def __init__(
         self,
@@ -167,10 +173,12 @@ class GPTModule(L.LightningModule):
         assert self.model is not None
         return self.model(idx)
 
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B·T, vocab) against (B·T,)
+
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        logits = self(x)  # (B, T, vocab_size)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return self.loss_fn(self(x), y)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_par3d.pipeline_split import SCHEDULE_NAMES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
 
 INIT_MODES = ("rank0", "meta")
@@ -40,8 +41,24 @@ class Par3DConfig:
     """Tensor-parallel degree: ranks that split each planned layer (DTensor). 1 means disabled."""
 
     pp: int = 1
-    """Pipeline-parallel degree. Part of the schema and the mesh already; values above 1 are refused until
-    pipelining lands."""
+    """Pipeline-parallel degree: ranks that each hold a contiguous part of the model's blocks. 1 means disabled.
+    Needs the LightningModule to declare ``pipeline_trunk`` and ``pipeline_loss`` (see lightning_par3d.pipeline)."""
+
+    pipeline_schedule: str = "1f1b"
+    """The torch.distributed.pipelining schedule: ``gpipe``, ``1f1b`` (one stage per rank),
+    ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble`` (``virtual_stages`` per rank),
+    ``zbv_zero_bubble``, ``dualpipev`` (two stages per rank in a V)."""
+
+    microbatches: int = 4
+    """Microbatches per batch under pp > 1; the per-rank batch size must be a multiple of it."""
+
+    virtual_stages: int = 1
+    """Model chunks (stages) per pipeline rank: 1 for ``gpipe``/``1f1b``, 2 for the V schedules, any for the
+    looped and interleaved ones."""
+
+    split_points: list[str] = field(default_factory=list)
+    """Block names where stages 2, 3, … begin (``["transformer.h.2"]``). Empty: split the blocks automatically,
+    balancing parameter counts with the embedding on the first stage and the head on the last."""
 
     tp_plan: dict[str, str] = field(default_factory=dict)
     """When not empty, replaces the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for
@@ -50,11 +67,12 @@ class Par3DConfig:
 
     fsdp_blocks: str | None = None
     """Module-name pattern of the blocks that FSDP2 wraps one by one before the root (``"transformer.h.*"``).
-    None wraps every element of each ``nn.ModuleList`` in the model (its repeated transformer blocks)."""
+    None wraps each member of every ``nn.ModuleList``/``nn.ModuleDict`` of repeated same-typed blocks."""
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     """FSDP2: free the gathered parameters of each block after its forward and gather again for backward (ZeRO-3
-    behaviour). False keeps them gathered from forward to backward: more memory, fewer all-gathers."""
+    behaviour). False keeps them gathered from forward to backward: more memory, fewer all-gathers. None: True,
+    except under pp > 1, where parameters stay gathered across the microbatches of a step."""
 
     init: str = "rank0"
     """How the model built on the meta device gets its weights. ``"rank0"``: rank 0 builds the real model on CPU
@@ -74,6 +92,8 @@ class Par3DConfig:
         # Hydra hands over DictConfig nodes; keep plain Python types inside the config.
         if not isinstance(self.tp_plan, dict):
             self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
+        if not isinstance(self.split_points, list):
+            self.split_points = list(self.split_points)
 
 
 @dataclass(frozen=True)
@@ -125,11 +145,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
         _check_positive_int(errors, "dp_shard", config.dp_shard, "data-parallel shard size, or 'auto'")
     if config.dp is not None:
         _check_positive_int(errors, "dp", config.dp, "whole data-parallel size")
-    if isinstance(config.pp, int) and config.pp > 1:
-        errors.add(
-            f"pp={config.pp}: pipeline parallelism is not available in this version of lightning_par3d yet. "
-            "Set pp=1 and use dp_shard, dp_replicate and tp."
-        )
+    _check_pipeline(config, errors)
     if config.init not in INIT_MODES:
         errors.add(f"init={config.init!r} is not an init mode. Allowed: {', '.join(map(repr, INIT_MODES))}.")
     if not isinstance(config.timeout_s, (int, float)) or config.timeout_s <= 0:
@@ -140,6 +156,37 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
                 f"tp_plan[{pattern!r}]={style!r} is not a tensor-parallel style. "
                 f"Allowed: {', '.join(map(repr, STYLE_NAMES))}."
             )
+
+
+def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:
+    name, m, v, pp = config.pipeline_schedule, config.microbatches, config.virtual_stages, config.pp
+    if name not in SCHEDULE_NAMES:
+        errors.add(f"pipeline_schedule={name!r} is not a schedule. Allowed: {', '.join(map(repr, SCHEDULE_NAMES))}.")
+    _check_positive_int(errors, "microbatches", m, "microbatches per batch under pp")
+    _check_positive_int(errors, "virtual_stages", v, "stages per pipeline rank")
+    if errors.messages or not isinstance(pp, int) or pp == 1:
+        return
+    if name in SINGLE_STAGE_SCHEDULES and v != 1:
+        errors.add(
+            f"pipeline_schedule={name!r} runs one stage per rank, but virtual_stages={v}. Set virtual_stages=1, or "
+            "use interleaved_1f1b, looped_bfs or interleaved_zero_bubble for several stages per rank."
+        )
+    if name in V_SCHEDULES and v != 2:
+        errors.add(
+            f"pipeline_schedule={name!r} is a V schedule: it needs exactly 2 stages per rank, but virtual_stages={v}."
+            " Set virtual_stages=2."
+        )
+    stages = pp * v
+    if name in ("1f1b", *V_SCHEDULES) and m < stages:
+        errors.add(
+            f"microbatches={m} is fewer than the {stages} pipeline stages that {name!r} needs at least. "
+            f"Raise microbatches to {stages} or more (more microbatches also shrink the bubble)."
+        )
+    if name in ("interleaved_1f1b", "interleaved_zero_bubble") and m >= pp and m % (m // pp):
+        errors.add(
+            f"microbatches={m}: {name!r} runs microbatches in rounds of pp={pp}, so microbatches must be a multiple "
+            f"of {m // pp}. Use a multiple of pp, e.g. {pp * max(1, m // pp)}."
+        )
 
 
 def _resolve_dp_shard(config: Par3DConfig, world_size: int, errors: _Errors) -> int:

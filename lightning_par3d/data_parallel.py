@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_par3d.patterns import find_modules
+from lightning_par3d.patterns import find_modules, repeated_members
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +40,9 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def find_blocks(module: nn.Module, pattern: str | None) -> list[nn.Module]:
-    """The modules FSDP2 wraps before the root: those ``pattern`` matches, else the elements of every
-    ``nn.ModuleList`` (a transformer's repeated blocks). A pattern that matches nothing is an error."""
+    """The modules FSDP2 wraps before the root: those ``pattern`` matches, else the members of every
+    ``nn.ModuleList`` / ``nn.ModuleDict`` of repeated same-typed blocks. A pattern that matches nothing is an
+    error."""
     if pattern is not None:
         found = [sub for _, sub in find_modules(module, pattern)]
         if not found:
@@ -50,7 +51,7 @@ def find_blocks(module: nn.Module, pattern: str | None) -> list[nn.Module]:
                 "such as 'transformer.h.*', or leave it unset to wrap each element of the model's ModuleLists."
             )
         return found
-    return [block for sub in module.modules() if isinstance(sub, nn.ModuleList) for block in sub]
+    return [block for sub in module.modules() for block in repeated_members(sub)]
 
 
 def fsdp_mesh(mesh: Par3DMesh) -> DeviceMesh:

@@ -4,8 +4,8 @@ Under par3d the gradients are DTensors on different meshes: a tensor-parallel we
 replicated norm weight on ``dp`` only. ``torch.nn.utils.clip_grad_norm_`` cannot stack norms from different meshes,
 so the norm is taken per (mesh, placements) group with ``get_total_norm``, each group's DTensor norm is reduced to
 a plain tensor by DTensor itself (``full_tensor()``: its own all-reduce over the shard dims), and the groups'
-norms are combined. The result is the norm of the whole model's gradient, identical on every rank and equal to
-what a single process computes.
+norms are combined; under pipelining, the pipeline ranks' norms are then combined over the pp group. The result is
+the norm of the whole model's gradient, identical on every rank and equal to what a single process computes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,23 @@ def _group_key(grad: torch.Tensor) -> Any:
     return None
 
 
-def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type``-norm of all ``grads`` together, as a plain (non-DTensor) scalar tensor."""
+def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: Any = None) -> torch.Tensor:
+    """The ``norm_type``-norm of all ``grads`` together, as a plain (non-DTensor) scalar tensor. With ``pp_group``,
+    the pipeline ranks' norms (each over its own stages) are combined into the whole model's norm."""
+    total = _local_total_norm(grads, norm_type)
+    if pp_group is None:
+        return total
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        return total
+    powered = total**norm_type
+    dist.all_reduce(powered, group=pp_group)
+    return powered ** (1.0 / norm_type)
+
+
+def _local_total_norm(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -41,7 +56,9 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0) -> to
     return torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type=norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, pp_group: Any = None
+) -> torch.Tensor:
     """Scales the gradients of ``parameters`` in place so that their global norm is at most ``max_norm``.
 
     Same formula as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1); returns the
@@ -50,7 +67,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = total_grad_norm(grads, norm_type)
+    total = total_grad_norm(grads, norm_type, pp_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad

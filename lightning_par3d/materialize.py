@@ -62,7 +62,9 @@ def _non_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tens
                 yield (f"{prefix}.{name}" if prefix else name), buf
 
 
-def materialize(module: nn.Module, device: torch.device, state: Rank0State, source_is_rank0: bool) -> None:
+def materialize(
+    module: nn.Module, device: torch.device, state: Rank0State, source_is_rank0: bool, strict: bool = True
+) -> None:
     """Allocates the (sharded) module on ``device`` and fills it.
 
     ``source_is_rank0``: every rank takes its shards of rank 0's captured weights (a collective: all ranks must call
@@ -70,23 +72,26 @@ def materialize(module: nn.Module, device: torch.device, state: Rank0State, sour
     """
     module.to_empty(device=device)
     if source_is_rank0:
-        _load_from_rank0(module, state)
+        _load_from_rank0(module, state, strict)
     else:
         reset_parameters(module)
 
 
-def _load_from_rank0(module: nn.Module, state: Rank0State) -> None:
+def _load_from_rank0(module: nn.Module, state: Rank0State, strict: bool = True) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    # strict=False under pipelining: each rank holds only its stages' entries of rank 0's full state dict.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(module, dict(state.state_dict), options=options)
+    # Non-persistent buffers go as one object: ranks may hold different ones (pipeline stages).
+    box: list[object] = [state.extra_buffers if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    extra: dict[str, torch.Tensor] = box[0]  # type: ignore[assignment]
     for name, buf in _non_persistent_buffers(module):
-        local = buf.to_local() if isinstance(buf, DTensor) else buf
-        if dist.get_rank() == 0:
-            local.copy_(state.extra_buffers[name])
-        dist.broadcast(local, src=0)
+        if name in extra:
+            (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(extra[name])
 
 
 def reset_parameters(module: nn.Module) -> None:

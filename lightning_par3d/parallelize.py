@@ -24,6 +24,17 @@ from lightning_par3d.config import Par3DConfig
 from lightning_par3d.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel, uses_ddp
 from lightning_par3d.materialize import capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.mesh import Par3DMesh
+from lightning_par3d.pipeline import build_schedule, declared_pipeline, install_loss, install_trunk
+from lightning_par3d.pipeline_split import (
+    V_SCHEDULES,
+    balanced_split,
+    build_stage_module,
+    empty_holder,
+    explicit_split,
+    find_trunk_parts,
+    graft,
+    stage_indices,
+)
 from lightning_par3d.tensor_parallel import apply_tensor_parallel, check_divisibility, expand_plan, find_plan
 
 
@@ -34,18 +45,19 @@ class ParallelizeReport:
     data_parallel: str
     tp_modules: int
     initialized_from: str
+    pipeline: str = "none"
 
     def __str__(self) -> str:
-        return (
-            f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
-            f"weights from {self.initialized_from}"
-        )
+        text = f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
+        if self.pipeline != "none":
+            text += f"pipeline: {self.pipeline}; "
+        return text + f"weights from {self.initialized_from}"
 
 
 def parallelize(
     module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device
 ) -> tuple[nn.Module, ParallelizeReport]:
-    """Applies tensor and data parallelism to ``module`` and materializes it on ``device``.
+    """Applies pipeline, tensor and data parallelism to ``module`` and materializes it on ``device``.
 
     Returns the module to train: ``module`` itself (parallelized in place), or, for pure replication without
     tensor parallelism, ``module`` wrapped in ``DistributedDataParallel``.
@@ -53,34 +65,112 @@ def parallelize(
     import torch.distributed as dist
 
     layout = mesh.layout
-    fqn_styles: dict[str, str] = {}
-    if layout.tp > 1:
-        plan = find_plan(module, config.tp_plan)
-        if not plan:
-            raise ValueError(
-                f"tp={layout.tp} but {type(module).__name__} declares no tensor-parallel plan. Give the "
-                "LightningModule a `tp_plan` attribute (module-name pattern → style), or set strategy.tp_plan."
-            )
-        fqn_styles = expand_plan(module, plan)
-        check_divisibility(module, fqn_styles, layout.tp)
+    fqn_styles = _checked_plan(module, config, layout.tp)
+    if layout.pp > 1:
+        return module, _parallelize_pipeline(module, mesh, config, device, fqn_styles)
     blocks = find_blocks(module, config.fsdp_blocks) if layout.dp > 1 and layout.dp_shard > 1 else []
 
-    rank = dist.get_rank()
-    state = capture_rank0_state(module, rank)
+    state = capture_rank0_state(module, dist.get_rank())
     from_rank0 = _any_rank0(state.captured)
 
     apply_tensor_parallel(module, mesh["tp"], fqn_styles)
-    shard_data_parallel(module, mesh, blocks, reshard_after_forward=config.reshard_after_forward)
+    reshard = True if config.reshard_after_forward is None else config.reshard_after_forward
+    shard_data_parallel(module, mesh, blocks, reshard_after_forward=reshard)
     materialize(module, device, state, source_is_rank0=from_rank0)
     sync_rng_from_rank0()
     report = ParallelizeReport(
         data_parallel=_describe_data_parallel(mesh, len(blocks)),
         tp_modules=len(fqn_styles),
-        initialized_from="rank 0 (broadcast)" if from_rank0 else "reset_parameters() on each rank",
+        initialized_from=_source(from_rank0),
     )
     if uses_ddp(mesh):
         return replicate_with_ddp(module, mesh, device), report
     return module, report
+
+
+def _checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, str]:
+    """The plan expanded over the whole model and checked, on every rank alike, before any data moves."""
+    if tp == 1:
+        return {}
+    plan = find_plan(module, config.tp_plan)
+    if not plan:
+        raise ValueError(
+            f"tp={tp} but {type(module).__name__} declares no tensor-parallel plan. Give the "
+            "LightningModule a `tp_plan` attribute (module-name pattern → style), or set strategy.tp_plan."
+        )
+    fqn_styles = expand_plan(module, plan)
+    check_divisibility(module, fqn_styles, tp)
+    return fqn_styles
+
+
+def _source(from_rank0: bool) -> str:
+    return "rank 0 (broadcast)" if from_rank0 else "reset_parameters() on each rank"
+
+
+def _parallelize_pipeline(
+    module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device, fqn_styles: dict[str, str]
+) -> ParallelizeReport:
+    """Split → tensor parallel → FSDP2 per stage → materialize from rank 0 → schedule, as torchtitan orders them."""
+    import torch.distributed as dist
+
+    layout = mesh.layout
+    trunk_attr, loss_attr = declared_pipeline(module)
+    trunk = getattr(module, trunk_attr)
+    _check_only_trunk_has_parameters(module, trunk_attr)
+    parts = find_trunk_parts(trunk)
+    v = 2 if config.pipeline_schedule in V_SCHEDULES else config.virtual_stages
+    n_stages = layout.pp * v
+    if len(parts.blocks) < n_stages:
+        raise ValueError(
+            f"Number of stages ({n_stages} = pp {layout.pp} × {v} per rank) cannot be greater than the number of "
+            f"blocks ({len(parts.blocks)} in {trunk_attr}.{parts.container}). Reduce pp or virtual_stages, or use "
+            "a deeper model."
+        )
+    split = (
+        explicit_split(parts, config.split_points, n_stages)
+        if config.split_points
+        else balanced_split(trunk, parts, n_stages)
+    )
+
+    state = capture_rank0_state(module, dist.get_rank())
+    from_rank0 = _any_rank0(state.captured)
+    trunk = getattr(module, trunk_attr)  # now on meta
+    indices = stage_indices(config.pipeline_schedule, mesh.coords(dist.get_rank()).pp, layout.pp, v)
+    holder = empty_holder(trunk, parts)
+    stage_modules = []
+    reshard = False if config.reshard_after_forward is None else config.reshard_after_forward
+    for index in indices:
+        first, last, owned = index == 0, index == n_stages - 1, set(split[index])
+        stage = build_stage_module(trunk, parts, owned, first, last)
+        apply_tensor_parallel(
+            stage, mesh["tp"], expand_plan(stage, find_plan(module, config.tp_plan), True) if fqn_styles else {}
+        )
+        blocks = [stage.get_submodule(name) for name in sorted(owned, key=parts.blocks.index)]
+        shard_data_parallel(stage, mesh, blocks if layout.dp_shard > 1 else [], reshard_after_forward=reshard)
+        graft(holder, stage, parts, owned, first, last)
+        stage_modules.append(stage)
+    install_trunk(module, trunk_attr, holder)
+    materialize(module, device, state, source_is_rank0=from_rank0, strict=False)
+    sync_rng_from_rank0()
+    runner = build_schedule(
+        config.pipeline_schedule, stage_modules, mesh, config.microbatches, v, device, getattr(module, loss_attr)
+    )
+    install_loss(module, loss_attr, runner)
+    return ParallelizeReport(
+        data_parallel=_describe_data_parallel(mesh, sum(len(split[i]) for i in indices)),
+        tp_modules=len(fqn_styles),
+        initialized_from=_source(from_rank0),
+        pipeline=f"{config.pipeline_schedule}, stages {indices} of {n_stages}, {config.microbatches} microbatches",
+    )
+
+
+def _check_only_trunk_has_parameters(module: nn.Module, trunk_attr: str) -> None:
+    outside = [n for n, _ in module.named_parameters() if not n.startswith(trunk_attr + ".")]
+    if outside:
+        raise TypeError(
+            f"Under pp > 1 every parameter must live in the pipelined trunk {type(module).__name__}.{trunk_attr}; "
+            f"these do not: {', '.join(outside[:5])}. Move them into the trunk."
+        )
 
 
 def _describe_data_parallel(mesh: Par3DMesh, blocks: int) -> str:

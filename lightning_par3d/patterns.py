@@ -20,3 +20,15 @@ def matches(pattern: str, fqn: str) -> bool:
 def find_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     """The (full name, module) pairs below ``module`` that ``pattern`` matches, in registration order."""
     return [(name, sub) for name, sub in module.named_modules() if name and matches(pattern, name)]
+
+
+def repeated_members(module: nn.Module) -> list[nn.Module]:
+    """The members of an ``nn.ModuleList`` or ``nn.ModuleDict`` that holds two or more modules of one type (a
+    transformer's blocks); empty for anything else."""
+    if isinstance(module, nn.ModuleDict):
+        members = list(module.values())
+    elif isinstance(module, nn.ModuleList):
+        members = list(module)
+    else:
+        return []
+    return members if len(members) > 1 and len({type(m) for m in members}) == 1 else []

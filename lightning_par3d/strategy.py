@@ -198,11 +198,38 @@ class Par3DStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model, report = parallelize(self.model, self.mesh, self.config, self.root_device)
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
+        if self.layout.pp > 1:
+            assert isinstance(self.precision_plugin, Par3DPrecision)
+            self.precision_plugin.pp_group = self.mesh["pp"].get_group()
+            runner = getattr(self.lightning_module, "_par3d_pipeline", None)
+            if runner is not None:
+                runner.accumulate = trainer.accumulate_grad_batches
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        runner = getattr(self.lightning_module, "_par3d_pipeline", None)
+        if runner is not None:
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            runner.zero_grad_first = batch_idx % runner.accumulate == 0
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Under pp > 1 the pipeline schedule already ran the backward pass inside the step; the hooks around
+        backward still run, the backward itself does not run twice."""
+        if self.config.pp == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def model_to_device(self) -> None:  # parallelize() materialized every shard on the device already

@@ -40,10 +40,11 @@ def find_plan(module: nn.Module, override: Mapping[str, str] | None) -> dict[str
     return dict(plan)
 
 
-def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+def expand_plan(module: nn.Module, plan: Mapping[str, str], allow_missing: bool = False) -> dict[str, str]:
     """Maps each module full name matched by a pattern of ``plan`` to its style.
 
-    Raises ``ValueError`` for an unknown style, a pattern that matches no module, and a module matched by two
+    Raises ``ValueError`` for an unknown style, a pattern that matches no module (unless ``allow_missing``: a
+    pipeline stage holds only part of a plan checked against the whole model), and a module matched by two
     patterns with different styles.
     """
     names = [name for name, _ in module.named_modules() if name]
@@ -54,7 +55,7 @@ def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             problems.append(f"tp_plan[{pattern!r}]={style!r} is not a style. Allowed: {', '.join(STYLE_NAMES)}.")
             continue
         hits = [name for name in names if matches(pattern, name)]
-        if not hits:
+        if not hits and not allow_missing:
             sample = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
             problems.append(
                 f"tp_plan pattern {pattern!r} matches no module of {type(module).__name__}. "

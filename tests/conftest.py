@@ -29,6 +29,11 @@ def pool4() -> Iterator[DistPool]:
     yield pool(4)
 
 
+@pytest.fixture(scope="session")
+def pool8() -> Iterator[DistPool]:
+    yield pool(8)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for p in _POOLS.values():
         p.close()

@@ -31,8 +31,10 @@ class LossRecorder(L.Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.local_losses: list[float] = []  # this rank's own value, as self.log and the progress bar see it
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.local_losses.append(outputs["loss"].item())
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
@@ -60,14 +62,28 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The whole model's parameters on rank 0 (None elsewhere), gathered by torch.distributed.checkpoint."""
+    """The whole model's parameters on rank 0 (None elsewhere): each DTensor gathered over its own mesh (its tp and
+    dp shards, by DTensor's ``full_tensor``), then the pipeline stages' entries merged on rank 0. (DCP's
+    ``get_model_state_dict(full_state_dict=True)`` is not used here: it gathers on rank 0 only, which under
+    pipelining holds the first stage alone.)"""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
     if not dist.is_initialized():
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    # clone(): full_tensor() may return an async collective result that only an op (not detach/cpu) waits for.
+    state = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone().cpu()
+        for k, v in module.state_dict().items()
+    }
+    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())]
+    dist.gather_object(state, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered or []:
+        merged.update(part)
+    return merged
 
 
 def run_reference(max_steps: int = 6, model: dict[str, Any] | None = None, **trainer_overrides: Any) -> dict:
@@ -106,4 +122,11 @@ def run_par3d(
     datamodule = ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **{**DATA, **(data or {})})
     trainer.fit(module, datamodule, ckpt_path=resume_from)
     saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
-    return {"losses": recorder.losses, "params": full_state(module), "saved": saved}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {
+        "losses": recorder.losses,
+        "local_losses": recorder.local_losses,
+        "metrics": metrics,
+        "params": full_state(module),
+        "saved": saved,
+    }

@@ -1,0 +1,202 @@
+"""Pipeline parallelism: every schedule, and pipelining composed with tensor and data parallelism, trains to the
+single-process losses and parameters; the logged values agree on every rank; bad settings fail clearly."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt import GPT, GPTConfig
+from lightning_par3d import Par3DConfig, resolve_layout
+from lightning_par3d.pipeline_split import balanced_split, explicit_split, find_trunk_parts, stage_indices
+from tests.conftest import assert_parity
+from tests.gpt_runs import run_par3d, run_reference
+from tests.harness import RankError
+
+DEEP = dict(n_layer=4)  # 4 blocks: enough for 2 ranks × 2 stages, or 4 ranks × 1
+
+
+@functools.cache
+def reference(n_layer: int = 2, **trainer_overrides: object) -> dict:
+    return run_reference(model=dict(n_layer=n_layer), **trainer_overrides)
+
+
+# ---------------------------------------------------------------- unit
+
+
+def meta_gpt(n_layer: int = 4) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(n_layer=n_layer))
+
+
+def test_trunk_parts_of_the_gpt():
+    parts = find_trunk_parts(meta_gpt())
+    assert parts.container == "transformer.h"
+    assert parts.blocks == tuple(f"transformer.h.{i}" for i in range(4))
+    assert parts.head == ("transformer.wte", "transformer.wpe", "transformer.drop")
+    assert parts.tail == ("transformer.ln_f", "lm_head")
+
+
+def test_balanced_split_accounts_for_embedding_and_head():
+    # 256×64 embedding and head weigh about a third of a 64-wide block each: 4 blocks over 2 stages stay 2 + 2,
+    # but over 3 stages the middle stage takes the extra block.
+    model = meta_gpt()
+    parts = find_trunk_parts(model)
+    assert balanced_split(model, parts, 2) == [
+        ["transformer.h.0", "transformer.h.1"],
+        ["transformer.h.2", "transformer.h.3"],
+    ]
+    assert [len(s) for s in balanced_split(model, parts, 3)] == [1, 2, 1]
+    assert [len(s) for s in balanced_split(model, parts, 4)] == [1, 1, 1, 1]
+
+
+def test_explicit_split_points():
+    parts = find_trunk_parts(meta_gpt())
+    assert explicit_split(parts, ["transformer.h.3"], 2) == [
+        [f"transformer.h.{i}" for i in range(3)],
+        ["transformer.h.3"],
+    ]
+    assert explicit_split(parts, ["h.1"], 2)[0] == ["transformer.h.0"]
+    with pytest.raises(ValueError, match=re.escape("split_points has 1 entries but pp × virtual_stages = 4 stages")):
+        explicit_split(parts, ["h.1"], 4)
+    with pytest.raises(ValueError, match=re.escape("split point 'h.9' names no block")):
+        explicit_split(parts, ["h.9"], 2)
+
+
+def test_stage_placement():
+    assert [stage_indices("1f1b", r, 4, 1) for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stage_indices("interleaved_1f1b", r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_indices("zbv_zero_bubble", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+
+
+def test_blocks_must_keep_their_names():
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="the repeated blocks must live in an nn.ModuleDict"):
+        find_trunk_parts(model)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(pipeline_schedule="1F1B-fast"), "pipeline_schedule='1F1B-fast' is not a schedule. Allowed: 'gpipe'"),
+        (dict(microbatches=0), "microbatches=0 must be a positive integer"),
+        (dict(virtual_stages=2), "'1f1b' runs one stage per rank, but virtual_stages=2"),
+        (dict(pipeline_schedule="zbv_zero_bubble", virtual_stages=1, microbatches=8), "needs exactly 2 stages"),
+        (dict(microbatches=1), "microbatches=1 is fewer than the 2 pipeline stages that '1f1b' needs"),
+        (
+            dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, microbatches=7),
+            "microbatches=7: 'interleaved_1f1b' runs microbatches in rounds of pp=2, so microbatches must be a "
+            "multiple of 3",
+        ),
+    ],
+)
+def test_bad_pipeline_settings(fields, message):
+    fields = {"pp": 2, **fields}
+    with pytest.raises(ValueError, match="Invalid par3d configuration") as err:
+        resolve_layout(Par3DConfig(**fields), 8)
+    assert message in str(err.value)
+
+
+# ---------------------------------------------------------------- parity
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_parity_pp2_one_stage_per_rank(pool2, schedule):
+    got = pool2.run(run_par3d, strategy=dict(pp=2, pipeline_schedule=schedule), devices=2)[0]
+    assert_parity(got, reference())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
+)
+def test_parity_pp2_two_stages_per_rank(pool2, schedule):
+    strategy = dict(pp=2, pipeline_schedule=schedule, virtual_stages=2, microbatches=4)
+    got = pool2.run(run_par3d, strategy=strategy, devices=2, model=DEEP)[0]
+    assert_parity(got, reference(n_layer=4))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(dict(pp=2, tp=2), id="pp=2xtp=2"),
+        pytest.param(dict(pp=2, dp_shard=2), id="pp=2xdp_shard=2"),
+        pytest.param(dict(pp=2, dp_replicate=2, dp_shard=1), id="pp=2xdp_replicate=2"),
+        pytest.param(dict(pp=4, microbatches=4), id="pp=4-1f1b"),
+    ],
+)
+def test_parity_pp_four_ranks(pool4, strategy):
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=DEEP)[0]
+    assert_parity(got, reference(n_layer=4))
+
+
+@pytest.mark.dist
+def test_parity_pp_with_clipping_and_accumulation(pool4):
+    """Clipping by the norm over both stages and both dp shards, with accumulate_grad_batches=2 across pipeline
+    steps, at pp=2 × dp_shard=2."""
+    overrides = dict(gradient_clip_val=0.5, accumulate_grad_batches=2)
+    got = pool4.run(run_par3d, strategy=dict(pp=2, dp_shard=2), devices=4, model=DEEP, **overrides)[0]
+    assert_parity(got, reference(n_layer=4, **overrides))
+
+
+@pytest.mark.dist
+def test_parity_full_3d_on_eight_ranks(pool8):
+    got = pool8.run(run_par3d, strategy=dict(pp=2, dp_shard=2, tp=2), devices=8, model=DEEP, timeout=600)[0]
+    assert_parity(got, reference(n_layer=4))
+
+
+# ---------------------------------------------------------------- Lightning's view
+
+
+@pytest.mark.dist
+def test_logged_training_loss_and_validation_metrics_agree_on_every_rank(pool4):
+    overrides = dict(limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    results = pool4.run(run_par3d, strategy=dict(pp=2, tp=2), devices=4, model=DEEP, **overrides)
+    first = results[0]
+    assert "val_loss" in first["metrics"] and "train_loss" in first["metrics"]
+    for other in results[1:]:
+        assert other["local_losses"] == first["local_losses"]
+        assert other["metrics"] == first["metrics"]
+
+
+@pytest.mark.dist
+def test_pp_resume_continues_the_loss_trajectory(pool4, tmp_path):
+    from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
+
+    run = functools.partial(
+        pool4.run, run_par3d, strategy=dict(pp=2, dp_shard=2), devices=4, model=DEEP, data=ONE_BATCH_EPOCHS
+    )
+    whole = run(max_steps=6)[0]
+    run(max_steps=3, ckpt_dir=str(tmp_path))
+    resumed = run(max_steps=6, resume_from=str(tmp_path / "last.ckpt"))[0]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][3:]), rtol=0, atol=1e-6)
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- errors, not hangs
+
+
+@pytest.mark.dist
+def test_too_few_blocks_for_the_stages(pool2):
+    with pytest.raises(RankError) as err:
+        pool2.run(run_par3d, strategy=dict(pp=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2), devices=2)
+    assert err.value.all_ranks_failed
+    assert "Number of stages (4 = pp 2 × 2 per rank) cannot be greater than the number of blocks (2" in (
+        err.value.exc_message
+    )
+
+
+@pytest.mark.dist
+def test_batch_not_divisible_by_microbatches(pool2):
+    with pytest.raises(RankError) as err:
+        pool2.run(run_par3d, strategy=dict(pp=2, microbatches=3), devices=2)
+    assert err.value.all_ranks_failed
+    assert "The batch of 8 samples (per data-parallel rank) is not divisible by microbatches=3" in err.value.exc_message
