@@ -26,11 +26,24 @@ def model_state(module: nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module)
 
 
+# Flattened optimizer state: every entry, param_groups settings included, is keyed by parameter name
+# ("param_groups.model.h.2.attn.q_proj.weight.lr"), so pipeline ranks, which hold different parameters, never write
+# the same key with different contents, and any layout reads back what it owns.
+_OPTIM_OPTIONS: dict[str, Any] = {"flatten_optimizer_state_dict": True}
+
+
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name, with each rank's shards."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, optimizer)
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(**_OPTIM_OPTIONS))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+    """Restores the optimizer from a state dict in the :func:`optimizer_state` format."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(**_OPTIM_OPTIONS))
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -55,7 +68,7 @@ def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
     """Loads the model's and optimizers' shards in place (at the layout they were saved with or any other that
     DCP can reshard to) and returns the rest of the checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not is_sharded_checkpoint(path):
         raise ValueError(
@@ -68,6 +81,6 @@ def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"])
+        load_optimizer_state(module, optimizer, state[f"optimizer_{i}"])
     metadata: dict[str, Any] = torch.load(path / METADATA_FILENAME, weights_only=False)
     return metadata

@@ -232,7 +232,6 @@ class Par3DFabricStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
-            set_optimizer_state_dict,
         )
 
         if not isinstance(state, dict):
@@ -247,7 +246,7 @@ class Par3DFabricStrategy(ParallelStrategy):
             if isinstance(obj, Module):
                 set_model_state_dict(obj, tensors[key], options=StateDictOptions(strict=strict))
             elif isinstance(obj, Optimizer):
-                set_optimizer_state_dict(module, obj, tensors[key])
+                ckpt.load_optimizer_state(module, obj, tensors[key])
         metadata: dict[str, Any] = torch.load(path / ckpt.METADATA_FILENAME, weights_only=False)
         for key in list(metadata):
             if key in state and not isinstance(state[key], (Module, Optimizer)):
