@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed  ## Create .venv with the package, CPU torch and the dev tools.
 
-demo: setup  ## Train the bundled GPT with par3d at dp=2 x tp=2 on 4 CPU processes.
+demo: setup  ## Train the bundled GPT with par3d in full 3D (dp=2 x tp=2 x pp=2) on 8 CPU processes.
 	$(PY) examples/train.py experiment=demo
 
 test: setup  ## Run the whole test suite (unit + multi-process gloo tests).

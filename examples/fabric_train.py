@@ -1,6 +1,10 @@
 """Train the bundled GPT with ``Fabric(strategy="par3d")``: the same model and plan, in a plain training loop.
 
     python examples/fabric_train.py --devices 4 --dp-shard 2 --tp 2 --steps 50
+    python examples/fabric_train.py --devices 4 --pp 2 --tp 2 --steps 50     # pipelined, same loop
+
+Under par3d the step goes through ``fabric.strategy.pipeline_step``, which runs forward and backward at any
+layout (through the pipeline schedule when pp > 1), so the loop has no layout branches.
 
 Fabric launches the other ranks itself; under torchrun each rank runs this file.
 """
@@ -51,10 +55,13 @@ def fabric_train(
 
     losses = []
     batches = itertools.chain.from_iterable(_epochs(loader, sampler))
+    par3d = hasattr(fabric.strategy, "pipeline_step")
     for step, (x, y) in zip(range(steps), batches, strict=False):
-        logits = gpt(x)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        fabric.backward(loss)
+        if par3d:
+            loss = fabric.strategy.pipeline_step(gpt, x, y, gpt_loss)  # forward + backward, any layout
+        else:
+            loss = gpt_loss(gpt(x), y)
+            fabric.backward(loss)
         if clip is not None:
             fabric.clip_gradients(gpt, optimizer, max_norm=clip)
         optimizer.step()
@@ -62,6 +69,10 @@ def fabric_train(
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
         fabric.print(f"step {step:4d}  loss {losses[-1]:.4f}")
     return losses, gpt
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B·T, vocab) against (B·T,)
 
 
 def _epochs(loader: DataLoader, sampler: DistributedSampler) -> Any:
@@ -79,11 +90,14 @@ def main() -> None:
     parser.add_argument("--dp-shard", default="auto")
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
     dp_shard = args.dp_shard if args.dp_shard == "auto" else int(args.dp_shard)
-    strategy = Par3DFabricStrategy(dp_shard=dp_shard, dp_replicate=args.dp_replicate, tp=args.tp, tp_plan=GPT_TP_PLAN)
+    strategy = Par3DFabricStrategy(
+        dp_shard=dp_shard, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp, tp_plan=GPT_TP_PLAN
+    )
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     model = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)

@@ -190,6 +190,10 @@ class GPTModule(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self(x)  # (B, T, vocab_size) logits
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))

@@ -12,7 +12,7 @@ parameters::
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from lightning_par3d.gradients import clip_grad_norm_
 from lightning_par3d.materialize import build_context
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.parallelize import parallelize
+from lightning_par3d.pipeline import PendingPipelineOutput, PipelineHost, PipelineRunner
 
 
 class Par3DFabricStrategy(ParallelStrategy):
@@ -149,9 +150,37 @@ class Par3DFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
+        """Parallelizes ``module``. Under pp > 1 it becomes the trunk of a :class:`PipelineHost` that
+        :meth:`pipeline_step` runs through the schedule."""
+        if self.layout.pp > 1:
+            module = PipelineHost(module)
         module, report = parallelize(module, self.mesh, self.config, self.root_device)
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
         return module
+
+    def pipeline_step(
+        self, module: Module, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor], train: bool = True
+    ) -> Tensor:
+        """One batch through the model at any layout, returning its mean loss on every rank.
+
+        ``train=True`` also runs the backward pass: under pp > 1 inside the pipeline schedule (microbatched,
+        gradients accumulated into the parameters), otherwise as ``fabric.backward(loss)``. The script stays the
+        same at every layout: ``loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)``, then the optimizer
+        step as usual.
+        """
+        inner = getattr(module, "_forward_module", module)
+        if self.layout.pp == 1:
+            with torch.set_grad_enabled(train):
+                loss = loss_fn(module(inputs), targets)
+            if train:
+                self.backward(loss, module)
+            return loss.detach()
+        assert isinstance(inner, PipelineHost)
+        runner: PipelineRunner = getattr(inner, "_par3d_pipeline")  # noqa: B009 (set outside the class)
+        runner.loss_fn = loss_fn
+        runner.zero_grad_first = False  # a Fabric script clears gradients itself, after optimizer.step()
+        with torch.set_grad_enabled(train):
+            return runner.run(PendingPipelineOutput((inputs,), {}), targets, train=train, device=self.root_device)
 
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
@@ -199,7 +228,8 @@ class Par3DFabricStrategy(ParallelStrategy):
     ) -> Tensor:
         """Clips by the norm over every shard: see :func:`~lightning_par3d.gradients.clip_grad_norm_`."""
         self.precision.unscale_gradients(optimizer)
-        norm = clip_grad_norm_(self.precision.main_params(optimizer), float(max_norm), float(norm_type))
+        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        norm = clip_grad_norm_(self.precision.main_params(optimizer), float(max_norm), float(norm_type), pp_group)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}; it must be finite to clip by it.")
         return norm

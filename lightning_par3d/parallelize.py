@@ -136,19 +136,19 @@ def _parallelize_pipeline(
     from_rank0 = _any_rank0(state.captured)
     trunk = getattr(module, trunk_attr)  # now on meta
     indices = stage_indices(config.pipeline_schedule, mesh.coords(dist.get_rank()).pp, layout.pp, v)
-    holder = empty_holder(trunk, parts)
     stage_modules = []
     reshard = False if config.reshard_after_forward is None else config.reshard_after_forward
+    plan = find_plan(module, config.tp_plan) if fqn_styles else {}
+    owned_by = {index: set(split[index]) for index in indices}
     for index in indices:
-        first, last, owned = index == 0, index == n_stages - 1, set(split[index])
-        stage = build_stage_module(trunk, parts, owned, first, last)
-        apply_tensor_parallel(
-            stage, mesh["tp"], expand_plan(stage, find_plan(module, config.tp_plan), True) if fqn_styles else {}
-        )
-        blocks = [stage.get_submodule(name) for name in sorted(owned, key=parts.blocks.index)]
+        stage = build_stage_module(trunk, parts, owned_by[index], index == 0, index == n_stages - 1)
+        apply_tensor_parallel(stage, mesh["tp"], expand_plan(stage, plan, allow_missing=True) if plan else {})
+        blocks = [stage.get_submodule(name) for name in parts.blocks if name in owned_by[index]]
         shard_data_parallel(stage, mesh, blocks if layout.dp_shard > 1 else [], reshard_after_forward=reshard)
-        graft(holder, stage, parts, owned, first, last)
         stage_modules.append(stage)
+    holder = empty_holder(trunk, parts)  # the trunk object itself, now holding nothing
+    for index, stage in zip(indices, stage_modules, strict=True):
+        graft(holder, stage, parts, owned_by[index], index == 0, index == n_stages - 1)
     install_trunk(module, trunk_attr, holder)
     materialize(module, device, state, source_is_rank0=from_rank0, strict=False)
     sync_rng_from_rank0()

@@ -115,6 +115,22 @@ class PipelineRunner:
         dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
         return loss
 
+    def predict(self, pending: PendingPipelineOutput, device: torch.device) -> Any:
+        """Forward only, without a loss: the merged outputs on the ranks holding the last stage, None elsewhere."""
+        first = pending.args[0] if pending.args else next(iter(pending.kwargs.values()))
+        dummy_targets = torch.zeros(first.shape[0], device=device)
+        saved, self.loss_fn = self.loss_fn, _zero_loss
+        try:
+            outputs = self.schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)
+        finally:
+            self.loss_fn = saved
+        return outputs if self.holds_last_stage else None
+
+
+def _zero_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    return first.sum() * 0.0
+
 
 def build_schedule(
     schedule_name: str,
@@ -174,6 +190,8 @@ def install_loss(module: nn.Module, loss_attr: str, runner: PipelineRunner) -> N
     """Wraps the loss method so that, given a :class:`PendingPipelineOutput`, it runs the schedule."""
     user_loss = getattr(module, loss_attr)
 
+    runner.loss_fn = user_loss
+
     def loss(self: nn.Module, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(outputs, PendingPipelineOutput):
             train = self.training and torch.is_grad_enabled()
@@ -186,7 +204,7 @@ def install_loss(module: nn.Module, loss_attr: str, runner: PipelineRunner) -> N
         """par3d under pp: the pipeline cleared the gradients before its backward; clearing them now would
         discard the backward that already ran inside ``training_step``."""
 
-    module.optimizer_zero_grad = types.MethodType(optimizer_zero_grad, module)  # type: ignore[method-assign,assignment]
+    module.optimizer_zero_grad = types.MethodType(optimizer_zero_grad, module)  # type: ignore[assignment]
     object.__setattr__(module, "_par3d_pipeline", runner)
 
 
@@ -201,3 +219,25 @@ class _PipelinedTrunk(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> PendingPipelineOutput:
         return PendingPipelineOutput(args, kwargs)
+
+
+class PipelineHost(nn.Module):
+    """Holds a plain model as the pipelined trunk, for Fabric scripts (which have no LightningModule to declare
+    one). The model object itself becomes this rank's stages, so Fabric's references to it stay valid and its
+    state dict keeps the original names."""
+
+    pipeline_trunk = "trunk"
+    pipeline_loss = "loss"
+
+    def __init__(self, trunk: nn.Module) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.loss_fn: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.trunk(*args, **kwargs)
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise RuntimeError("PipelineHost.loss needs loss_fn: call Par3DFabricStrategy.pipeline_step(...).")
+        return self.loss_fn(outputs, targets)

@@ -128,7 +128,12 @@ def explicit_split(parts: TrunkParts, split_points: list[str], n_stages: int) ->
 def build_stage_module(trunk: nn.Module, parts: TrunkParts, owned: set[str], first: bool, last: bool) -> nn.Module:
     """A deep copy of the (meta) ``trunk`` keeping only the blocks in ``owned``, the head modules if ``first``
     and the tail modules if ``last``. Nothing is renamed."""
-    stage = copy.deepcopy(trunk)
+    return keep_only(copy.deepcopy(trunk), parts, owned, first, last)
+
+
+def keep_only(stage: nn.Module, parts: TrunkParts, owned: set[str], first: bool, last: bool) -> nn.Module:
+    """Deletes from ``stage``, in place, the blocks not in ``owned`` and the head (tail) modules unless ``first``
+    (``last``); returns it."""
     container = stage.get_submodule(parts.container)
     assert isinstance(container, nn.ModuleDict)
     for block in parts.blocks:
@@ -155,5 +160,7 @@ def graft(holder: nn.Module, stage: nn.Module, parts: TrunkParts, owned: set[str
 
 
 def empty_holder(trunk: nn.Module, parts: TrunkParts) -> nn.Module:
-    """A copy of the meta ``trunk`` without blocks, head or tail: the skeleton :func:`graft` fills."""
-    return build_stage_module(trunk, parts, owned=set(), first=False, last=False)
+    """The (meta) ``trunk`` itself, emptied in place of blocks, head and tail: the skeleton :func:`graft` fills.
+    Keeping the same object keeps every reference to the model (Fabric's, the user's) pointing at this rank's
+    stages."""
+    return keep_only(trunk, parts, owned=set(), first=False, last=False)

@@ -34,6 +34,7 @@ from lightning_par3d.distributed import build_mesh, init_distributed
 from lightning_par3d.materialize import build_context
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.parallelize import parallelize
+from lightning_par3d.pipeline import PendingPipelineOutput
 from lightning_par3d.precision import Par3DPrecision
 
 if TYPE_CHECKING:
@@ -217,6 +218,16 @@ class Par3DStrategy(ParallelStrategy):
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             runner.zero_grad_first = batch_idx % runner.accumulate == 0
         return super().training_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp > 1 the trunk's outputs exist on the last stage only: ranks holding it return them, the
+        others return None."""
+        out = super().predict_step(*args, **kwargs)
+        runner = getattr(self.lightning_module, "_par3d_pipeline", None)
+        if runner is not None and isinstance(out, PendingPipelineOutput):
+            return runner.predict(out, self.root_device)
+        return out
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

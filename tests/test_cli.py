@@ -29,7 +29,7 @@ def train(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.mark.dist
 def test_train_app_runs_dp2_tp2_and_logs_the_loss(tmp_path):
     out = train(
-        "experiment=demo",
+        "experiment=dp2_tp2",
         "trainer.max_steps=4",
         "trainer.val_check_interval=2",
         "trainer.limit_val_batches=2",

@@ -20,7 +20,9 @@ FABRIC_MODEL = {k: v for k, v in MODEL.items() if k != "lr"}
 FABRIC_DATA = {k: v for k, v in DATA.items()}
 
 
-def fabric_job(devices: int, strategy: dict | None, steps: int = 6, clip: float | None = None) -> dict:
+def fabric_job(
+    devices: int, strategy: dict | None, steps: int = 6, clip: float | None = None, model: dict | None = None
+) -> dict:
     from lightning_par3d import Par3DFabricStrategy
 
     if strategy is None:
@@ -30,13 +32,16 @@ def fabric_job(devices: int, strategy: dict | None, steps: int = 6, clip: float 
             accelerator="cpu", devices=devices, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy)
         )
     fabric.launch()
-    losses, model = fabric_train(fabric, steps, 8, FABRIC_MODEL, FABRIC_DATA, clip=clip, seed=SEED)
-    return {"losses": losses, "params": full_state(model)}
+    losses, model = fabric_train(fabric, steps, 8, {**FABRIC_MODEL, **(model or {})}, FABRIC_DATA, clip=clip, seed=SEED)
+    params = full_state(model)
+    if params is not None:  # under pp the model is the trunk of a PipelineHost
+        params = {k.removeprefix("trunk."): v for k, v in params.items()}
+    return {"losses": losses, "params": params}
 
 
 @functools.cache
-def fabric_reference(clip: float | None) -> dict:
-    return fabric_job(1, None, clip=clip)
+def fabric_reference(clip: float | None, n_layer: int = 2) -> dict:
+    return fabric_job(1, None, clip=clip, model=dict(n_layer=n_layer))
 
 
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clip=0.5"])
@@ -51,6 +56,12 @@ def test_fabric_parity_dp2_tp2(pool4, clip):
 # next epoch's order; it does so with its default single-device strategy too, so that is the loop's behaviour, not
 # the strategy's. What this test pins down is the strategy's part: model and optimizer shards restored exactly.
 ONE_BATCH_EPOCHS = dict(max_bytes=322)
+
+
+def test_fabric_pipeline_step_pp2_tp2(pool4):
+    """`fabric.strategy.pipeline_step` runs the 1F1B schedule at pp=2 × tp=2, with clipping over both stages."""
+    got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), clip=0.5, model=dict(n_layer=4))[0]
+    assert_parity(got, fabric_reference(0.5, n_layer=4))
 
 
 def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path):

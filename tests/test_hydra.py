@@ -60,10 +60,10 @@ def test_overrides_reach_the_strategy():
     assert build_trainer(cfg).strategy.config.tp_plan == {"lm_head": "colwise_rep"}
 
 
-def test_demo_experiment_is_dp2_tp2_on_4():
+def test_demo_experiment_is_full_3d_on_8():
     trainer = build_trainer(compose_train(["experiment=demo"]))
-    assert trainer.num_devices == 4
-    assert str(trainer.strategy.layout) == "pp=1 × dp_replicate=1 × dp_shard=2 × tp=2"
+    assert trainer.num_devices == 8
+    assert str(trainer.strategy.layout) == "pp=2 × dp_replicate=1 × dp_shard=2 × tp=2"
 
 
 def test_typo_in_a_field_fails_at_parse_time():

@@ -76,7 +76,7 @@ def test_stage_placement():
 def test_blocks_must_keep_their_names():
     model = nn.Module()
     model.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
-    with pytest.raises(TypeError, match="the repeated blocks must live in an nn.ModuleDict"):
+    with pytest.raises(TypeError, match=r"the repeated blocks must live in an nn\.ModuleDict"):
         find_trunk_parts(model)
 
 
@@ -200,3 +200,43 @@ def test_batch_not_divisible_by_microbatches(pool2):
         pool2.run(run_par3d, strategy=dict(pp=2, microbatches=3), devices=2)
     assert err.value.all_ranks_failed
     assert "The batch of 8 samples (per data-parallel rank) is not divisible by microbatches=3" in err.value.exc_message
+
+
+def predict_job(strategy: dict) -> list | None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from examples.data import ShakespeareDataModule
+    from examples.gpt import GPTModule
+    from lightning_par3d import Par3DStrategy
+    from tests.gpt_runs import DATA, MODEL, SEED, trainer_kwargs
+
+    L.seed_everything(SEED, verbose=False)
+    data = ShakespeareDataModule(batch_size=8, **DATA)
+    data.setup()
+    trainer = L.Trainer(devices=2, strategy=Par3DStrategy(timeout_s=120, **strategy), **trainer_kwargs())
+    loader = DataLoader(data.val_set, batch_size=4)
+    return trainer.predict(GPTModule(**MODEL), dataloaders=loader)
+
+
+@pytest.mark.dist
+def test_predict_returns_logits_on_the_last_stage(pool2):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from examples.data import ShakespeareDataModule
+    from examples.gpt import GPTModule
+    from tests.gpt_runs import DATA, MODEL, SEED
+
+    L.seed_everything(SEED, verbose=False)
+    module = GPTModule(**MODEL)
+    module.configure_model()
+    data = ShakespeareDataModule(batch_size=8, **DATA)
+    data.setup()
+    with torch.no_grad():
+        expected = [module(x) for x, _ in DataLoader(data.val_set, batch_size=4)]
+    first_stage, last_stage = pool2.run(predict_job, strategy=dict(pp=2, microbatches=2))
+    assert first_stage == [None] * len(expected)
+    assert len(last_stage) == len(expected)
+    for got, want in zip(last_stage, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
