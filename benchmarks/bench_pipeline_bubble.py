@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import lightning as L
 import torch
 
-import lightning as L
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
 
