@@ -39,7 +39,6 @@ def test_resolves_sizes(fields, world, expected):
         (dict(dp_shard="two"), 4, "dp_shard='two' must be a positive integer"),
         (dict(dp=-1), 4, "dp=-1 must be a positive integer"),
         (dict(pp=0), 4, "pp=0 must be a positive integer"),
-        (dict(pp=2), 4, "pp=2: pipeline parallelism is not available in this version"),
         (dict(tp=3), 4, "dp_shard='auto' needs the world size (4) to be divisible by pp × dp_replicate × tp"),
         (dict(dp_shard=2, tp=3), 4, "= 6, but the world size (devices × num_nodes) is 4"),
         (dict(dp_replicate=2, dp_shard=2, tp=2), 4, "Change the sizes so that their product is 4"),
