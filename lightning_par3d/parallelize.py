@@ -10,7 +10,10 @@
 4. applies FSDP2 ``fully_shard`` per block, then at the root, over the data-parallel mesh;
 5. materializes each rank's shards on ``device`` and fills them from rank 0 (or with ``reset_parameters()``).
 
-Pipeline splitting (before 3) and activation checkpointing (between 3 and 4) slot into this order.
+Under ``pp > 1`` the model's trunk is first split into this rank's stages (deep copies of the meta trunk that keep
+only what each stage owns); 3 and 4 then run per stage, and the stages are grafted back into the trunk object at
+their original names before 5 (:mod:`lightning_par3d.pipeline`). Activation checkpointing slots in between 3 and
+4.
 """
 
 from __future__ import annotations
