@@ -104,12 +104,13 @@ def run_par3d(
     ckpt_dir: str | None = None,
     resume_from: str | None = None,
     data: dict[str, Any] | None = None,
+    global_seed: int = SEED,
     **trainer_overrides: Any,
 ) -> dict:
     """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields."""
     from lightning_par3d import Par3DStrategy
 
-    L.seed_everything(SEED, verbose=False)
+    L.seed_everything(global_seed, verbose=False)
     par3d = Par3DStrategy(timeout_s=120, **strategy)
     recorder = LossRecorder()
     callbacks: list[L.Callback] = [recorder]

@@ -64,3 +64,37 @@ def test_init_meta_builds_no_full_copy_and_trains(pool2):
     assert losses[-1] < losses[0] - 0.1, losses
     ref = reference()
     assert abs(losses[0] - ref["losses"][0]) > 1e-4  # different weights from the seed-exact rank-0 init
+
+
+def test_configured_seed_wins_over_seed_everything(pool2):
+    """strategy.seed seeds every rank right before configure_model: a run seeded elsewhere with another value still
+    builds exactly the single-process weights of strategy.seed (compared before any step: max_steps=0)."""
+    import lightning as L
+    import torch
+
+    from examples.gpt import GPTModule
+    from tests.gpt_runs import MODEL, SEED
+
+    L.seed_everything(SEED, verbose=False)
+    module = GPTModule(**MODEL)
+    module.configure_model()
+    expected = module.state_dict()
+    seeded = pool2.run(run_par3d, strategy=dict(dp_shard=2, seed=SEED), devices=2, max_steps=0, global_seed=999)[0]
+    unseeded = pool2.run(run_par3d, strategy=dict(dp_shard=2), devices=2, max_steps=0, global_seed=999)[0]
+    for name, value in expected.items():
+        assert torch.equal(seeded["params"][name], value), name
+    assert not torch.equal(unseeded["params"]["model.lm_head.weight"], expected["model.lm_head.weight"])
+
+
+def test_fsdp_blocks_pattern():
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+    from lightning_par3d.data_parallel import find_blocks
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=3))
+    assert find_blocks(model, None) == list(model.transformer.h.values())
+    assert find_blocks(model, "h.*.mlp") == [model.transformer.h[str(i)].mlp for i in range(3)]
+    with pytest.raises(ValueError, match=r"fsdp_blocks='layers\.\*' matches no module of GPT"):
+        find_blocks(model, "layers.*")

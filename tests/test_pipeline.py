@@ -113,6 +113,14 @@ def test_parity_pp2_one_stage_per_rank(pool2, schedule):
 
 
 @pytest.mark.dist
+def test_parity_pp2_with_explicit_split_points(pool2):
+    """An uneven split at a named block: stage 0 holds blocks 0–2, stage 1 holds block 3."""
+    strategy = dict(pp=2, split_points=["transformer.h.3"])
+    got = pool2.run(run_par3d, strategy=strategy, devices=2, model=DEEP)[0]
+    assert_parity(got, reference(n_layer=4))
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
 )
