@@ -69,7 +69,7 @@ class HandWiredGPT(GPTModule):
             )
         if tp_mesh.size() > 1:
             parallelize_module(self.model, tp_mesh, plan)
-        for block in self.model.transformer.h:
+        for block in self.model.transformer.h.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(self.model, mesh=dp_mesh)
 

@@ -1,0 +1,26 @@
+"""The benchmark scripts still run (a few steps each), so that they cannot rot unnoticed between uses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("name", ["par3d dp2×tp2", "ModelParallel dp2×tp2", "par3d dp_replicate=4", "DDP dp=4"])
+def test_strategy_benchmark_runs(pool4, name):
+    from benchmarks.bench_strategies import timed_run
+
+    times = pool4.run(timed_run, name=name, steps=3, warmup=1)[0]
+    assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_bubble_benchmark_runs(pool4):
+    from benchmarks.bench_pipeline_bubble import bubble_run
+
+    got = pool4.run(bubble_run, schedule="gpipe", microbatches=4, virtual=1, steps=3)[0]
+    assert 0.0 < got["idle"] < 1.0 and not math.isnan(got["idle"])
+    assert got["inflight"] == 4  # GPipe keeps every microbatch in flight
+    assert got["peak_mib"] > 0
