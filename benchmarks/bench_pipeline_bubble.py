@@ -136,23 +136,13 @@ class _Saved:
 def bubble_run(schedule: str, microbatches: int, virtual: int, steps: int) -> dict[str, float]:
     import torch.distributed as dist
 
+    from benchmarks.bench_strategies import quiet_trainer
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(0, verbose=False)
     probe = BubbleProbe(warmup=2)
     strategy = Par3DStrategy(pp=PP, pipeline_schedule=schedule, microbatches=microbatches, virtual_stages=virtual)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=PP,
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=[probe],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(strategy, PP, steps, probe, accelerator="cpu")
     data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=BATCH, max_bytes=100_000)
     trainer.fit(GPTModule(**MODEL), data)
     mine = torch.tensor([statistics.mean(probe.idle), probe.peak / 2**20, probe.peak_inflight], dtype=torch.float64)

@@ -107,24 +107,29 @@ def make_strategy(name: str) -> Any:
     raise ValueError(name)
 
 
-def timed_run(name: str, steps: int, warmup: int) -> list[float]:
-    """One training run in a pool worker; returns each kept step's time, the max over ranks."""
-    import torch.distributed as dist
-
-    L.seed_everything(0, verbose=False)
-    timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator=ACCELERATOR,
-        devices=WORLD,
-        strategy=make_strategy(name),
+def quiet_trainer(strategy: Any, devices: int, steps: int, callback: L.Callback, accelerator: str) -> L.Trainer:
+    """A Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
+    return L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
         max_steps=steps,
-        callbacks=[timer],
+        callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
     )
+
+
+def timed_run(name: str, steps: int, warmup: int) -> list[float]:
+    """One training run in a pool worker; returns each kept step's time, the max over ranks."""
+    import torch.distributed as dist
+
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = quiet_trainer(make_strategy(name), WORLD, steps, timer, ACCELERATOR)
     module_cls = HandWiredGPT if name.startswith("ModelParallel") else GPTModule
     dp = 2 if "tp2" in name else WORLD
     data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_bytes=200_000)

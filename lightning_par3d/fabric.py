@@ -168,13 +168,13 @@ class Par3DFabricStrategy(ParallelStrategy):
         same at every layout: ``loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)``, then the optimizer
         step as usual.
         """
-        inner = getattr(module, "_forward_module", module)
         if self.layout.pp == 1:
             with torch.set_grad_enabled(train):
                 loss = loss_fn(module(inputs), targets)
             if train:
                 self.backward(loss, module)
             return loss.detach()
+        inner = getattr(module, "_forward_module", module)
         assert isinstance(inner, PipelineHost)
         runner: PipelineRunner = getattr(inner, "_par3d_pipeline")  # noqa: B009 (set outside the class)
         runner.loss_fn = loss_fn

@@ -190,8 +190,6 @@ def install_loss(module: nn.Module, loss_attr: str, runner: PipelineRunner) -> N
     """Wraps the loss method so that, given a :class:`PendingPipelineOutput`, it runs the schedule."""
     user_loss = getattr(module, loss_attr)
 
-    runner.loss_fn = user_loss
-
     def loss(self: nn.Module, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(outputs, PendingPipelineOutput):
             train = self.training and torch.is_grad_enabled()
