@@ -35,6 +35,7 @@ def fabric_train(
     model: dict[str, Any],
     data: dict[str, Any],
     lr: float = 3e-3,
+    eps: float = 1e-8,
     clip: float | None = None,
     seed: int = 1234,
 ) -> tuple[list[float], torch.nn.Module]:
@@ -43,7 +44,9 @@ def fabric_train(
     with fabric.init_module():  # under par3d: real on rank 0 only, meta elsewhere
         gpt = GPT(GPTConfig(**model))
     gpt = fabric.setup_module(gpt)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(gpt.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)))
+    optimizer = fabric.setup_optimizers(
+        torch.optim.AdamW(gpt.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=eps)
+    )
 
     datamodule = ShakespeareDataModule(**data)
     datamodule.setup()

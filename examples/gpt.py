@@ -159,6 +159,7 @@ class GPTModule(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -196,4 +197,6 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        return torch.optim.AdamW(
+            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps
+        )

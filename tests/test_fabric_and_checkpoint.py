@@ -16,7 +16,7 @@ from tests.gpt_runs import DATA, MODEL, SEED, full_state, run_par3d
 
 pytestmark = pytest.mark.dist
 
-FABRIC_MODEL = {k: v for k, v in MODEL.items() if k != "lr"}
+FABRIC_MODEL = {k: v for k, v in MODEL.items() if k not in ("lr", "eps")}
 FABRIC_DATA = {k: v for k, v in DATA.items()}
 
 
@@ -32,7 +32,9 @@ def fabric_job(
             accelerator="cpu", devices=devices, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy)
         )
     fabric.launch()
-    losses, model = fabric_train(fabric, steps, 8, {**FABRIC_MODEL, **(model or {})}, FABRIC_DATA, clip=clip, seed=SEED)
+    losses, model = fabric_train(
+        fabric, steps, 8, {**FABRIC_MODEL, **(model or {})}, FABRIC_DATA, eps=MODEL["eps"], clip=clip, seed=SEED
+    )
     params = full_state(model)
     if params is not None:  # under pp the model is the trunk of a PipelineHost
         params = {k.removeprefix("trunk."): v for k, v in params.items()}
