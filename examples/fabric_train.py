@@ -38,8 +38,9 @@ def fabric_train(
     eps: float = 1e-8,
     clip: float | None = None,
     seed: int = 1234,
-) -> tuple[list[float], torch.nn.Module]:
-    """Trains for ``steps`` AdamW steps on ``global_batch`` samples per step; returns the per-step mean losses."""
+) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """Trains for ``steps`` AdamW steps on ``global_batch`` samples per step; returns the per-step mean losses, the
+    model and the optimizer."""
     fabric.seed_everything(seed)
     with fabric.init_module():  # under par3d: real on rank 0 only, meta elsewhere
         gpt = GPT(GPTConfig(**model))
@@ -71,7 +72,7 @@ def fabric_train(
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
         fabric.print(f"step {step:4d}  loss {losses[-1]:.4f}")
-    return losses, gpt
+    return losses, gpt, optimizer
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_par3d.zero import ZeroOptimizer
+
 METADATA_FILENAME = "meta.pt"
 
 
@@ -32,10 +34,13 @@ def model_state(module: nn.Module) -> dict[str, Any]:
 _OPTIM_OPTIONS: dict[str, Any] = {"flatten_optimizer_state_dict": True}
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict keyed by parameter name, with each rank's shards."""
+def optimizer_state(module: nn.Module, optimizer: Optimizer, for_loading: bool = False) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter name, with each rank's shards. A ZeRO-1/2 optimizer gives its
+    own rows as DTensors in the same flattened layout; ``for_loading`` makes sure its state exists to load into."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.sharded_state_dict(_names(module), for_loading=for_loading)
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(**_OPTIM_OPTIONS))
 
 
@@ -43,7 +48,14 @@ def load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[st
     """Restores the optimizer from a state dict in the :func:`optimizer_state` format."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_sharded_state_dict(state, _names(module))
+        return
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(**_OPTIM_OPTIONS))
+
+
+def _names(module: nn.Module) -> dict[torch.Tensor, str]:
+    return {param: name for name, param in module.named_parameters()}
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -77,7 +89,7 @@ def load_sharded(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
         )
     state: dict[str, Any] = {"state_dict": model_state(module)}
     for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = optimizer_state(module, optimizer)
+        state[f"optimizer_{i}"] = optimizer_state(module, optimizer, for_loading=True)
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["state_dict"], options=StateDictOptions(strict=strict))
     for i, optimizer in enumerate(optimizers):

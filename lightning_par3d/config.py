@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_par3d.activation_checkpoint import AC_MODES
 from lightning_par3d.pipeline_split import SCHEDULE_NAMES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
 
 INIT_MODES = ("rank0", "meta")
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")
 
 
 @dataclass
@@ -30,8 +33,14 @@ class Par3DConfig:
     replicas. With ``dp_shard=1`` this is plain replicated data parallel (DDP semantics)."""
 
     dp_shard: int | str = "auto"
-    """Ranks that shard parameters, gradients and optimizer state with FSDP2 ``fully_shard``. ``"auto"`` gives
-    this dimension every rank that the other sizes leave: ``world_size / (pp × dp_replicate × tp)``."""
+    """Ranks that shard model state among themselves: the ZeRO group, whose ``zero_stage`` says what is sharded.
+    ``"auto"`` gives this dimension every rank that the other sizes leave: ``world_size / (pp × dp_replicate ×
+    tp)``."""
+
+    zero_stage: int | None = None
+    """What the ``dp_shard`` ranks shard (ZeRO, Rajbhandari et al. 2019): 0 nothing (every ``dp_shard`` rank becomes a
+    replica: DDP semantics); 1 optimizer state; 2 optimizer state and gradients; 3 everything (FSDP2 full shard).
+    None: 3 when ``dp_shard > 1``, else 0. ``dp_replicate`` replicas always hold copies of their shard."""
 
     dp: int | None = None
     """Shorthand for the whole data-parallel size ``dp_replicate × dp_shard``. With ``dp_shard="auto"`` it sets
@@ -74,6 +83,36 @@ class Par3DConfig:
     behaviour). False keeps them gathered from forward to backward: more memory, fewer all-gathers. None: True,
     except under pp > 1, where parameters stay gathered across the microbatches of a step."""
 
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of keeping them: ``"none"``, ``"full"`` (every block),
+    ``"selective"`` (every ``ac_every``-th block), or ``"op"`` (every block, saving only matmul, attention and
+    collective outputs). Applied after tensor parallelism and before FSDP2 (see
+    lightning_par3d.activation_checkpoint)."""
+
+    ac_every: int = 2
+    """With ``activation_checkpointing="selective"``: checkpoint the 1st, the ``1 + ac_every``-th, … block."""
+
+    ac_blocks: str | None = None
+    """The blocks to checkpoint: a module class name (``"Block"``) or a module-name pattern (``"transformer.h.*"``).
+    None: each member of the model's containers of repeated blocks."""
+
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's ``CPUOffloadPolicy``):
+    each block's parameters are copied to the device for its forward and backward, and the optimizer steps on the
+    CPU. Needs ``zero_stage=3``."""
+
+    grad_compression: str | None = None
+    """Compress the gradient all-reduce of pure replication (DDP: ``zero_stage=0``, tp = pp = 1) with a DDP
+    communication hook: ``"fp16"`` or ``"bf16"`` (gradients cast for the all-reduce), or ``"powersgd"`` (low-rank
+    approximation with error feedback). None: full-precision all-reduce."""
+
+    powersgd_rank: int = 1
+    """PowerSGD's matrix approximation rank (``grad_compression="powersgd"``): higher is more exact and sends more."""
+
+    powersgd_start_iter: int = 2
+    """PowerSGD sends plain all-reduces for this many steps before compressing (torch needs at least 2 with error
+    feedback)."""
+
     init: str = "rank0"
     """How the model built on the meta device gets its weights. ``"rank0"``: rank 0 builds the real model on CPU
     from the seed (the exact weights a single process gets) and every rank receives only its shards by broadcast;
@@ -98,12 +137,21 @@ class Par3DConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """The resolved sizes of the four mesh dimensions, outermost first."""
+    """The resolved sizes of the four mesh dimensions, outermost first, and the ZeRO stage over ``dp_shard``."""
 
     pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
+    zero_stage: int | None = None
+    """None: the default, 3 when ``dp_shard > 1`` else 0 (see :attr:`zero`)."""
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage over ``dp_shard``."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 3 if self.dp_shard > 1 else 0
 
     @property
     def world_size(self) -> int:
@@ -150,12 +198,77 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
         errors.add(f"init={config.init!r} is not an init mode. Allowed: {', '.join(map(repr, INIT_MODES))}.")
     if not isinstance(config.timeout_s, (int, float)) or config.timeout_s <= 0:
         errors.add(f"timeout_s={config.timeout_s!r} must be a positive number of seconds.")
+    _check_zero_static(config, errors)
+    if config.activation_checkpointing not in AC_MODES:
+        errors.add(
+            f"activation_checkpointing={config.activation_checkpointing!r} is not a mode. Allowed: "
+            f"{', '.join(map(repr, AC_MODES))}."
+        )
+    _check_positive_int(errors, "ac_every", config.ac_every, "checkpoint every n-th block under 'selective'")
     for pattern, style in (config.tp_plan or {}).items():
         if style not in STYLE_NAMES:
             errors.add(
                 f"tp_plan[{pattern!r}]={style!r} is not a tensor-parallel style. "
                 f"Allowed: {', '.join(map(repr, STYLE_NAMES))}."
             )
+
+
+def _check_zero_static(config: Par3DConfig, errors: _Errors) -> None:
+    stage = config.zero_stage
+    if stage is not None and (isinstance(stage, bool) or stage not in ZERO_STAGES):
+        errors.add(
+            f"zero_stage={stage!r} is not a ZeRO stage. Allowed: 0 (replicate everything, DDP), 1 (shard optimizer "
+            "state), 2 (shard optimizer state and gradients), 3 (shard everything, FSDP2), or None (3 when "
+            "dp_shard > 1)."
+        )
+    if config.grad_compression is not None and config.grad_compression not in GRAD_COMPRESSIONS:
+        errors.add(
+            f"grad_compression={config.grad_compression!r} is not a compression. Allowed: "
+            f"{', '.join(map(repr, GRAD_COMPRESSIONS))}, or None."
+        )
+    _check_positive_int(errors, "powersgd_rank", config.powersgd_rank, "PowerSGD approximation rank")
+    if isinstance(config.powersgd_start_iter, bool) or not isinstance(config.powersgd_start_iter, int):
+        errors.add(f"powersgd_start_iter={config.powersgd_start_iter!r} must be an integer ≥ 2.")
+    elif config.powersgd_start_iter < 2:
+        errors.add(
+            f"powersgd_start_iter={config.powersgd_start_iter} must be at least 2 (torch's PowerSGD with error "
+            "feedback needs plain all-reduces first). Set it to 2 or more."
+        )
+
+
+def _check_zero_layout(config: Par3DConfig, layout: Layout, errors: _Errors) -> None:
+    """Checks of the ZeRO stage, offload and compression against the resolved sizes."""
+    stage = layout.zero
+    if config.zero_stage in (1, 2, 3) and layout.dp_shard == 1:
+        errors.add(
+            f"zero_stage={config.zero_stage} shards across the dp_shard ranks, but dp_shard=1 here ({layout}): there "
+            "is nothing to shard over. Give dp_shard the data-parallel ranks (e.g. dp_shard=auto, dp_replicate=1), "
+            "or use zero_stage=0."
+        )
+    if stage == 2 and layout.pp > 1:
+        errors.add(
+            f"zero_stage=2 reduce-scatters gradients in every backward pass, and a pipeline step runs one per "
+            f"microbatch (pp={layout.pp}). Use zero_stage=1 (one all-reduce per step) or zero_stage=3 (FSDP2, "
+            "gradients reduced once after the last microbatch)."
+        )
+    if config.reshard_after_forward is not None and stage != 3:
+        errors.add(
+            f"reshard_after_forward={config.reshard_after_forward} applies to FSDP2 (zero_stage=3), but zero_stage="
+            f"{stage} keeps parameters whole. Remove reshard_after_forward, or use zero_stage=3."
+        )
+    if config.offload and stage != 3:
+        errors.add(
+            f"offload=True moves the shards of parameters, gradients and optimizer state to CPU memory (FSDP2's "
+            f"CPUOffloadPolicy), which needs zero_stage=3; here zero_stage={stage}. Use zero_stage=3 with "
+            "dp_shard > 1, or drop offload."
+        )
+    ddp = stage == 0 and layout.tp == 1 and layout.pp == 1 and layout.dp > 1
+    if config.grad_compression is not None and not ddp:
+        errors.add(
+            f"grad_compression={config.grad_compression!r} compresses DDP's gradient all-reduce, which par3d runs "
+            f"for pure replication only (zero_stage=0, tp=1, pp=1, more than one replica); here zero_stage={stage}, "
+            f"{layout}. Remove grad_compression, or replicate (e.g. zero_stage=0 with tp=1 and pp=1)."
+        )
 
 
 def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:
@@ -223,7 +336,9 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
         errors.raise_if_any()
         return None
     dp_shard = _resolve_dp_shard(config, world_size, errors)
-    layout = Layout(pp=config.pp, dp_replicate=config.dp_replicate, dp_shard=dp_shard, tp=config.tp)
+    layout = Layout(
+        pp=config.pp, dp_replicate=config.dp_replicate, dp_shard=dp_shard, tp=config.tp, zero_stage=config.zero_stage
+    )
     if config.dp is not None and layout.dp != config.dp:
         errors.add(
             f"dp={config.dp} disagrees with dp_replicate × dp_shard = {layout.dp_replicate} × {layout.dp_shard} "
@@ -235,5 +350,10 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
             f"{layout.tp} = {layout.world_size}, but the world size (devices × num_nodes) is {world_size}. "
             f"Change the sizes so that their product is {world_size}, or set dp_shard='auto'."
         )
+    if not errors.messages:
+        _check_zero_layout(config, layout, errors)
     errors.raise_if_any()
+    if layout.zero == 0 and layout.dp_shard > 1:
+        # Stage 0 shards nothing: the dp_shard ranks are replicas like dp_replicate's.
+        layout = Layout(layout.pp, layout.dp_replicate * layout.dp_shard, 1, layout.tp, zero_stage=0)
     return layout

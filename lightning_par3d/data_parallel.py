@@ -1,13 +1,15 @@
-"""Data parallelism with FSDP2 ``fully_shard``: full shard, HSDP, or plain replication, chosen by the mesh.
+"""Data parallelism, chosen by the mesh and the ZeRO stage: FSDP2 ``fully_shard`` (full shard, HSDP, replication
+with tp) or torch DDP.
 
-=========================  ==================  ===================================================================
-dp_replicate × dp_shard    FSDP2 mesh          what each rank holds at rest
-=========================  ==================  ===================================================================
-1 × N                      1D ``dp_shard``     1/N of parameters, gradients, optimizer state (ZeRO-3)
-R × N                      2D HSDP             1/N, replicated over R; gradients reduce-scattered then all-reduced
-R × 1, with tp > 1         2D, shard size 1    everything replicated; one FSDP2 unit, one gradient all-reduce
-R × 1, tp = 1              torch DDP           everything replicated; bucketed all-reduce overlapping backward
-=========================  ==================  ===================================================================
+=========================  =====  ==================  ==============================================================
+dp_replicate × dp_shard    stage  engine              what each rank holds at rest
+=========================  =====  ==================  ==============================================================
+1 × N                      3      FSDP2, 1D mesh      1/N of parameters, gradients, optimizer state
+R × N                      3      FSDP2, 2D (HSDP)    1/N, replicated over R; reduce-scatter then all-reduce
+R × N                      1, 2   none here           whole parameters; :mod:`lightning_par3d.zero` shards the rest
+R × 1, with tp > 1         0      FSDP2, shard 1      everything replicated; one FSDP2 unit, one all-reduce
+R × 1, tp = 1              0      torch DDP           everything replicated; bucketed all-reduce during backward
+=========================  =====  ==================  ==============================================================
 
 Pure replication without tensor parallelism uses ``DistributedDataParallel`` itself: parameters stay plain tensors,
 so the optimizer runs without DTensor dispatch, and gradients go out in DDP's buckets during backward. Measured on
@@ -28,11 +30,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_par3d.compression import Compression
 from lightning_par3d.patterns import find_modules, repeated_members
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     from lightning_par3d.mesh import Par3DMesh
 
@@ -60,28 +64,43 @@ def fsdp_mesh(mesh: Par3DMesh) -> DeviceMesh:
 
 
 def shard_data_parallel(
-    module: nn.Module, mesh: Par3DMesh, blocks: list[nn.Module], reshard_after_forward: bool = True
+    module: nn.Module,
+    mesh: Par3DMesh,
+    blocks: list[nn.Module],
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> None:
-    """Applies ``fully_shard`` to each block, then to ``module`` as the root. Does nothing when dp = 1.
+    """Applies ``fully_shard`` to each block, then to ``module`` as the root. Does nothing when dp = 1, under DDP,
+    and for ZeRO stages 1 and 2 (parameters stay whole; :class:`~lightning_par3d.zero.ZeroOptimizer` shards).
 
     Run it after tensor parallelism and on the meta device: FSDP2 shards the (possibly DTensor) parameters over the
-    data-parallel mesh without moving data.
+    data-parallel mesh without moving data. ``mp_policy`` sets the dtype of the gathered parameters and of the
+    gradient reduction; ``offload_policy`` keeps the shards in CPU memory.
     """
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
-    if mesh.layout.dp == 1 or uses_ddp(mesh):
+    if not uses_fsdp(mesh):
         return
     dp_mesh = fsdp_mesh(mesh)
     if mesh.layout.dp_shard == 1:
         # Pure replication: nothing to gather, so one unit at the root gives DDP's single flat all-reduce instead
         # of one all-reduce (and one copy in and out) per block.
         blocks, reshard_after_forward = [], False
-    for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    mp, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()
+    for unit in (*blocks, module):
+        fully_shard(
+            unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload
+        )
     for name in STEP_METHODS:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
+
+
+def uses_fsdp(mesh: Par3DMesh) -> bool:
+    """Whether :func:`shard_data_parallel` applies FSDP2: data parallel at stage 3, or replication with tp or pp."""
+    layout = mesh.layout
+    return layout.dp > 1 and not uses_ddp(mesh) and layout.zero not in (1, 2)
 
 
 def uses_ddp(mesh: Par3DMesh) -> bool:
@@ -90,10 +109,19 @@ def uses_ddp(mesh: Par3DMesh) -> bool:
     return layout.dp_replicate > 1 and layout.dp_shard == 1 and layout.tp == 1 and layout.pp == 1
 
 
-def replicate_with_ddp(module: nn.Module, mesh: Par3DMesh, device: torch.device) -> DistributedDataParallel:
-    """Wraps the materialized ``module`` in ``DistributedDataParallel`` over the data-parallel group."""
+def replicate_with_ddp(
+    module: nn.Module, mesh: Par3DMesh, device: torch.device, compression: Compression | None = None
+) -> DistributedDataParallel:
+    """Wraps the materialized ``module`` in ``DistributedDataParallel`` over the data-parallel group, with the
+    gradient compression hook of ``compression`` if one is given."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh["dp"].get_group())
+    # Gradients as views into DDP's all-reduce buckets: one copy of the gradients, not two.
+    ddp = DistributedDataParallel(
+        module, device_ids=device_ids, process_group=mesh["dp"].get_group(), gradient_as_bucket_view=True
+    )
+    if compression is not None:
+        compression.register(ddp, mesh["dp"].get_group())
+    return ddp
 
 
 @contextmanager

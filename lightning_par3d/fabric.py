@@ -35,14 +35,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par3d import checkpoint as ckpt
+from lightning_par3d.compression import check_compression_device
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.data_parallel import no_gradient_sync
 from lightning_par3d.distributed import build_mesh, init_distributed
-from lightning_par3d.gradients import clip_grad_norm_
+from lightning_par3d.gradients import clip_optimizer_grads
 from lightning_par3d.materialize import build_context
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.parallelize import parallelize
 from lightning_par3d.pipeline import PendingPipelineOutput, PipelineHost, PipelineRunner
+from lightning_par3d.precision import check_precision, precision_name
+from lightning_par3d.zero import ZeroOptimizer
 
 
 class Par3DFabricStrategy(ParallelStrategy):
@@ -76,7 +79,8 @@ class Par3DFabricStrategy(ParallelStrategy):
         self._layout: Layout | None = None
         self._mesh: Par3DMesh | None = None
         self._num_nodes = 1
-        self._backward_sync_control = _FSDPBackwardSyncControl()
+        self._backward_sync_control = _Par3DBackwardSyncControl(self)
+        self._zero: list[ZeroOptimizer] = []
 
     @property
     def layout(self) -> Layout:
@@ -116,7 +120,9 @@ class Par3DFabricStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        _ = self.layout
+        # Validate against the world size, the precision and the devices before any process is launched.
+        check_precision(precision_name(self.precision), self.layout.zero)
+        check_compression_device(self.config.grad_compression, self.root_device.type)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -154,9 +160,22 @@ class Par3DFabricStrategy(ParallelStrategy):
         :meth:`pipeline_step` runs through the schedule."""
         if self.layout.pp > 1:
             module = PipelineHost(module)
-        module, report = parallelize(module, self.mesh, self.config, self.root_device)
+        module, report = parallelize(module, self.mesh, self.config, self.root_device, precision_name(self.precision))
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
+        self._module = module
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Under zero_stage 1 or 2, wraps ``optimizer`` in a :class:`~lightning_par3d.zero.ZeroOptimizer`."""
+        if self.layout.zero not in (1, 2):
+            return optimizer
+        zero = ZeroOptimizer(optimizer, self.layout.zero, self.mesh)
+        self._zero.append(zero)
+        runner = getattr(getattr(self, "_module", None), "_par3d_pipeline", None)
+        if runner is not None:
+            runner.zero = self._zero
+        return zero
 
     def pipeline_step(
         self, module: Module, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor], train: bool = True
@@ -179,7 +198,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         runner: PipelineRunner = getattr(inner, "_par3d_pipeline")  # noqa: B009 (set outside the class)
         runner.loss_fn = loss_fn
         runner.zero_grad_first = False  # a Fabric script clears gradients itself, after optimizer.step()
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), self.precision.forward_context():
             return runner.run(PendingPipelineOutput((inputs,), {}), targets, train=train, device=self.root_device)
 
     @override
@@ -229,7 +248,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         """Clips by the norm over every shard: see :func:`~lightning_par3d.gradients.clip_grad_norm_`."""
         self.precision.unscale_gradients(optimizer)
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        norm = clip_grad_norm_(self.precision.main_params(optimizer), float(max_norm), float(norm_type), pp_group)
+        norm = clip_optimizer_grads(optimizer, float(max_norm), float(norm_type), pp_group)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}; it must be finite to clip by it.")
         return norm
@@ -270,7 +289,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         if not ckpt.is_sharded_checkpoint(path):
             raise ValueError(f"{path} is not a par3d checkpoint directory (no torch.distributed.checkpoint metadata).")
         module = _single_module(state)
-        tensors = _sharded_states(state)
+        tensors = _sharded_states(state, for_loading=True)
         dcp.load(tensors, checkpoint_id=path)
         for key, obj in state.items():
             if isinstance(obj, Module):
@@ -284,7 +303,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         return metadata
 
 
-def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
+def _sharded_states(state: dict[str, Any], for_loading: bool = False) -> dict[str, Any]:
     """The sharded state dicts of the model and optimizers in ``state``, by key (DCP loads into them in place)."""
     module = _single_module(state)
     tensors: dict[str, Any] = {}
@@ -292,7 +311,7 @@ def _sharded_states(state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(obj, Module):
             tensors[key] = ckpt.model_state(obj)
         elif isinstance(obj, Optimizer):
-            tensors[key] = ckpt.optimizer_state(module, obj)
+            tensors[key] = ckpt.optimizer_state(module, obj, for_loading=for_loading)
     return tensors
 
 
@@ -305,16 +324,24 @@ def _single_module(state: dict[str, Any]) -> Module:
     return modules[0]
 
 
-class _FSDPBackwardSyncControl(_BackwardSyncControl):
+class _Par3DBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: DDP's or FSDP2's gradient sync off, and ZeRO-1's all-reduce."""
+
+    def __init__(self, strategy: Par3DFabricStrategy) -> None:
+        self.strategy = strategy
+
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return _no_sync(module, enabled)
+        return _no_sync(module, enabled, self.strategy._zero)
 
 
 @contextmanager
-def _no_sync(module: Module, enabled: bool) -> Generator[None, None, None]:
+def _no_sync(module: Module, enabled: bool, zero: list[ZeroOptimizer]) -> Generator[None, None, None]:
     if not enabled:
         yield
         return
-    with no_gradient_sync(getattr(module, "_forward_module", module)):
+    with ExitStack() as stack:
+        stack.enter_context(no_gradient_sync(getattr(module, "_forward_module", module)))
+        for optimizer in zero:
+            stack.enter_context(optimizer.no_sync())
         yield

@@ -64,9 +64,31 @@ def clip_grad_norm_(
     Same formula as ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (norm + 1e-6)``, capped at 1); returns the
     norm before clipping.
     """
+    return clip_grads_([p.grad for p in parameters if p.grad is not None], max_norm, norm_type, pp_group)
+
+
+def optimizer_grads(optimizer: Any) -> list[torch.Tensor]:
+    """The gradients ``optimizer`` will step with: its parameters' ``.grad``, or, under ZeRO stage 2 (where each
+    rank holds only its rows of the gradients), those rows as DTensors."""
+    from lightning_par3d.zero import zero_optimizers
+
+    zero = zero_optimizers([optimizer])
+    if zero and zero[0].stage == 2:
+        return zero[0].shard_grads()
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def clip_optimizer_grads(optimizer: Any, max_norm: float, norm_type: float = 2.0, pp_group: Any = None) -> torch.Tensor:
+    """:func:`clip_grads_` on :func:`optimizer_grads`: what ``gradient_clip_val`` does under par3d."""
+    return clip_grads_(optimizer_grads(optimizer), max_norm, norm_type, pp_group)
+
+
+def clip_grads_(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, pp_group: Any = None
+) -> torch.Tensor:
+    """Scales ``grads`` in place so that their global norm is at most ``max_norm``; returns the norm before."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
     total = total_grad_norm(grads, norm_type, pp_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:

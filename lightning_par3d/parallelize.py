@@ -12,19 +12,22 @@
 
 Under ``pp > 1`` the model's trunk is first split into this rank's stages (deep copies of the meta trunk that keep
 only what each stage owns); 3 and 4 then run per stage, and the stages are grafted back into the trunk object at
-their original names before 5 (:mod:`lightning_par3d.pipeline`). Activation checkpointing slots in between 3 and
-4.
+their original names before 5 (:mod:`lightning_par3d.pipeline`). Activation checkpointing
+(:mod:`lightning_par3d.activation_checkpoint`) runs between 3 and 4.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_par3d.activation_checkpoint import apply_activation_checkpointing
+from lightning_par3d.compression import Compression
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel, uses_ddp
+from lightning_par3d.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel, uses_ddp, uses_fsdp
 from lightning_par3d.materialize import capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.pipeline import build_schedule, declared_pipeline, install_loss, install_trunk
@@ -38,7 +41,14 @@ from lightning_par3d.pipeline_split import (
     graft,
     stage_indices,
 )
-from lightning_par3d.tensor_parallel import apply_tensor_parallel, check_divisibility, expand_plan, find_plan
+from lightning_par3d.precision import fsdp_mixed_precision
+from lightning_par3d.tensor_parallel import (
+    apply_tensor_parallel,
+    check_divisibility,
+    expand_plan,
+    find_plan,
+    keep_grads_in_param_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -49,46 +59,84 @@ class ParallelizeReport:
     tp_modules: int
     initialized_from: str
     pipeline: str = "none"
+    activation_checkpointing: str = "none"
 
     def __str__(self) -> str:
         text = f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
         if self.pipeline != "none":
             text += f"pipeline: {self.pipeline}; "
+        if self.activation_checkpointing != "none":
+            text += f"activation checkpointing: {self.activation_checkpointing}; "
         return text + f"weights from {self.initialized_from}"
 
 
 def parallelize(
-    module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device
+    module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device, precision: str = "32-true"
 ) -> tuple[nn.Module, ParallelizeReport]:
     """Applies pipeline, tensor and data parallelism to ``module`` and materializes it on ``device``.
 
     Returns the module to train: ``module`` itself (parallelized in place), or, for pure replication without
-    tensor parallelism, ``module`` wrapped in ``DistributedDataParallel``.
+    tensor parallelism, ``module`` wrapped in ``DistributedDataParallel``. ``precision`` (Lightning's flag) sets
+    FSDP2's mixed-precision policy.
     """
     import torch.distributed as dist
 
     layout = mesh.layout
     fqn_styles = _checked_plan(module, config, layout.tp)
     if layout.pp > 1:
-        return module, _parallelize_pipeline(module, mesh, config, device, fqn_styles)
+        return module, _parallelize_pipeline(module, mesh, config, device, fqn_styles, precision)
     blocks = find_blocks(module, config.fsdp_blocks) if layout.dp > 1 and layout.dp_shard > 1 else []
 
     state = capture_rank0_state(module, dist.get_rank())
     from_rank0 = _any_rank0(state.captured)
 
     apply_tensor_parallel(module, mesh["tp"], fqn_styles)
+    checkpointed = apply_activation_checkpointing(
+        module, config.activation_checkpointing, config.ac_blocks, config.ac_every
+    )
     reshard = True if config.reshard_after_forward is None else config.reshard_after_forward
-    shard_data_parallel(module, mesh, blocks, reshard_after_forward=reshard)
-    materialize(module, device, state, source_is_rank0=from_rank0)
+    shard_data_parallel(module, mesh, blocks, reshard, **_fsdp_policies(config, precision))
+    _materialize(module, device, state, from_rank0, config.offload)
+    if not uses_fsdp(mesh):
+        keep_grads_in_param_layout(module)
     sync_rng_from_rank0()
     report = ParallelizeReport(
-        data_parallel=_describe_data_parallel(mesh, len(blocks)),
+        data_parallel=_describe_data_parallel(mesh, len(blocks), config, precision),
         tp_modules=len(fqn_styles),
         initialized_from=_source(from_rank0),
+        activation_checkpointing=_describe_ac(config, checkpointed),
     )
     if uses_ddp(mesh):
-        return replicate_with_ddp(module, mesh, device), report
+        return replicate_with_ddp(module, mesh, device, _compression(config)), report
     return module, report
+
+
+def _fsdp_policies(config: Par3DConfig, precision: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policies: dict[str, Any] = {"mp_policy": fsdp_mixed_precision(precision)}
+    if config.offload:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return policies
+
+
+def _materialize(
+    module: nn.Module, device: torch.device, state: Any, from_rank0: bool, offload: bool, strict: bool = True
+) -> None:
+    """Allocates and fills the shards: on ``device``, or, with CPU offload, parameters on the CPU (where FSDP2's
+    offload policy keeps them) and buffers on ``device``."""
+    materialize(module, torch.device("cpu") if offload else device, state, source_is_rank0=from_rank0, strict=strict)
+    if offload:
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    sub._buffers[name] = buf.to(device)
+
+
+def _compression(config: Par3DConfig) -> Compression | None:
+    if config.grad_compression is None:
+        return None
+    return Compression(config.grad_compression, config.powersgd_rank, config.powersgd_start_iter)
 
 
 def _checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, str]:
@@ -106,12 +154,24 @@ def _checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, 
     return fqn_styles
 
 
+def _describe_ac(config: Par3DConfig, blocks: int) -> str:
+    if config.activation_checkpointing == "none":
+        return "none"
+    every = f" (every {config.ac_every})" if config.activation_checkpointing == "selective" else ""
+    return f"{config.activation_checkpointing}{every}, {blocks} blocks"
+
+
 def _source(from_rank0: bool) -> str:
     return "rank 0 (broadcast)" if from_rank0 else "reset_parameters() on each rank"
 
 
 def _parallelize_pipeline(
-    module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device, fqn_styles: dict[str, str]
+    module: nn.Module,
+    mesh: Par3DMesh,
+    config: Par3DConfig,
+    device: torch.device,
+    fqn_styles: dict[str, str],
+    precision: str,
 ) -> ParallelizeReport:
     """Split → tensor parallel → FSDP2 per stage → materialize from rank 0 → schedule, as torchtitan orders them."""
     import torch.distributed as dist
@@ -143,27 +203,36 @@ def _parallelize_pipeline(
     reshard = False if config.reshard_after_forward is None else config.reshard_after_forward
     plan = find_plan(module, config.tp_plan) if fqn_styles else {}
     owned_by = {index: set(split[index]) for index in indices}
+    checkpointed = 0
     for index in indices:
         stage = build_stage_module(trunk, parts, owned_by[index], index == 0, index == n_stages - 1)
         apply_tensor_parallel(stage, mesh["tp"], expand_plan(stage, plan, allow_missing=True) if plan else {})
+        checkpointed += apply_activation_checkpointing(
+            stage, config.activation_checkpointing, config.ac_blocks, config.ac_every
+        )
         blocks = [stage.get_submodule(name) for name in parts.blocks if name in owned_by[index]]
-        shard_data_parallel(stage, mesh, blocks if layout.dp_shard > 1 else [], reshard_after_forward=reshard)
+        shard_data_parallel(
+            stage, mesh, blocks if layout.dp_shard > 1 else [], reshard, **_fsdp_policies(config, precision)
+        )
         stage_modules.append(stage)
     holder = empty_holder(trunk, parts)  # the trunk object itself, now holding nothing
     for index, stage in zip(indices, stage_modules, strict=True):
         graft(holder, stage, parts, owned_by[index], index == 0, index == n_stages - 1)
     install_trunk(module, trunk_attr, holder)
-    materialize(module, device, state, source_is_rank0=from_rank0, strict=False)
+    _materialize(module, device, state, from_rank0, config.offload, strict=False)
+    if not uses_fsdp(mesh):
+        keep_grads_in_param_layout(module)
     sync_rng_from_rank0()
     runner = build_schedule(
         config.pipeline_schedule, stage_modules, mesh, config.microbatches, v, device, getattr(module, loss_attr)
     )
     install_loss(module, loss_attr, runner)
     return ParallelizeReport(
-        data_parallel=_describe_data_parallel(mesh, sum(len(split[i]) for i in indices)),
+        data_parallel=_describe_data_parallel(mesh, sum(len(split[i]) for i in indices), config, precision),
         tp_modules=len(fqn_styles),
         initialized_from=_source(from_rank0),
         pipeline=f"{config.pipeline_schedule}, stages {indices} of {n_stages}, {config.microbatches} microbatches",
+        activation_checkpointing=_describe_ac(config, checkpointed),
     )
 
 
@@ -176,16 +245,23 @@ def _check_only_trunk_has_parameters(module: nn.Module, trunk_attr: str) -> None
         )
 
 
-def _describe_data_parallel(mesh: Par3DMesh, blocks: int) -> str:
+def _describe_data_parallel(mesh: Par3DMesh, blocks: int, config: Par3DConfig, precision: str) -> str:
     layout = mesh.layout
     if layout.dp == 1:
         return "none"
     if uses_ddp(mesh):
-        return f"DDP over {layout.dp} replicas"
+        compressed = f", {config.grad_compression} gradient compression" if config.grad_compression else ""
+        return f"DDP over {layout.dp} replicas (ZeRO-0{compressed})"
     if layout.dp_shard == 1:
-        return f"FSDP2 replicated over {layout.dp} ranks (one unit)"
+        return f"FSDP2 replicated over {layout.dp} ranks (ZeRO-0, one unit)"
+    replicas = f" × {layout.dp_replicate} replicas" if layout.dp_replicate > 1 else ""
+    if layout.zero in (1, 2):
+        what = "optimizer state" if layout.zero == 1 else "optimizer state and gradients"
+        return f"ZeRO-{layout.zero}: {what} sharded over dp_shard={layout.dp_shard}{replicas}"
     kind = "HSDP" if layout.dp_replicate > 1 else "FSDP2"
-    return f"{kind} ({blocks} blocks + root)"
+    extras = [f"{precision} gathers" if precision.endswith("-mixed") else "", "CPU offload" if config.offload else ""]
+    detail = "".join(f", {e}" for e in extras if e)
+    return f"ZeRO-3 with {kind} ({blocks} blocks + root{detail})"
 
 
 def _any_rank0(captured: bool) -> bool:

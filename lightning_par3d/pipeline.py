@@ -20,6 +20,7 @@ already run, once, inside the schedule.
 from __future__ import annotations
 
 import types
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,9 @@ class PipelineRunner:
     """Set by the strategy per batch: whether this batch opens an accumulation window, so that the gradients are
     cleared before the schedule's backward (Lightning clears them after ``training_step``, which here is too late:
     the backward has already run inside it)."""
+    zero: list[Any] = field(default_factory=list)
+    """ZeRO-1 optimizers over the stages' parameters (set by the strategy): the schedule's backward passes keep the
+    gradients local, and they are all-reduced once, after the last microbatch (unless accumulation holds them)."""
 
     def scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The user's loss for one microbatch, scaled so that the summed gradients are those of the batch mean
@@ -107,7 +111,13 @@ class PipelineRunner:
                 stage.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        run(*pending.args, target=targets, losses=losses, **pending.kwargs)
+        syncing = [z for z in self.zero if z.require_backward_grad_sync] if train else []
+        with ExitStack() as no_sync:
+            for zero in self.zero:
+                no_sync.enter_context(zero.no_sync())
+            run(*pending.args, target=targets, losses=losses, **pending.kwargs)
+        for zero in syncing:
+            zero.reduce_gradients()
         if self.holds_last_stage:
             loss = torch.stack([x.detach().float() for x in losses]).sum() / self.grad_scale / self.n_microbatches
         else:

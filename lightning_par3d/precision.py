@@ -1,23 +1,128 @@
-"""The precision plugin par3d installs in the Trainer: fp32, with gradient clipping by the global norm."""
+"""Precision under par3d: Lightning's ``precision=`` flag, mapped onto FSDP2 and autocast.
+
+===============  ==========================================================================================
+``32-true``      fp32 everywhere.
+``bf16-mixed``   fp32 master weights, gradients and optimizer state; the forward and backward run in bf16 under
+                 ``torch.autocast``. FSDP2 units (zero_stage 3, and replication with tp) also gather their
+                 parameters in bf16 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): half the
+                 all-gather bytes, gradients reduced in fp32.
+``bf16-true``    the model is built and kept in bf16: weights, gradients and optimizer state, no fp32 master copy.
+``16-mixed``     as ``bf16-mixed`` with fp16, on CUDA, with a gradient scaler whose overflow check is combined
+                 over every rank (each holds different shards); not with zero_stage 1 or 2. Lightning itself turns
+                 ``16-mixed`` on CPU into ``bf16-mixed``.
+===============  ==========================================================================================
+
+Gradient clipping (``gradient_clip_val``) clips by the norm over every tp, dp and pp shard in every mode.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par3d.gradients import clip_grad_norm_
+from lightning_par3d.gradients import clip_optimizer_grads
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+"""The ``precision=`` values par3d accepts."""
 
 
-class Par3DPrecision(Precision):
-    """``precision="32-true"`` whose ``gradient_clip_val`` clips by the norm over every tp, dp (and pp) shard,
-    so that each rank scales by the same factor a single process would."""
+def precision_name(plugin: Any) -> str:
+    """The ``precision=`` string of a Lightning (Trainer or Fabric) precision plugin."""
+    return str(getattr(plugin, "precision", "32-true"))
+
+
+def check_precision(precision: str, zero_stage: int) -> None:
+    """Raises ``ValueError`` for a precision par3d does not serve (at this ZeRO stage)."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"par3d does not support precision={precision!r}. Choose among {', '.join(map(repr, PRECISIONS))}."
+        )
+    if precision == "16-mixed" and zero_stage in (1, 2):
+        raise ValueError(
+            f"precision='16-mixed' scales the loss and unscales gradients before the step, but zero_stage="
+            f"{zero_stage} keeps the gradients in its own shards. Use precision='bf16-mixed' (no scaling needed), "
+            "or zero_stage 0 or 3."
+        )
+
+
+def fsdp_mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for ``precision``: low-precision gathered parameters and fp32 gradient reduction for the
+    ``-mixed`` modes; None (FSDP2's default: the parameters' own dtype) otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if low is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+class _GlobalNormClipping:
+    """Clips by the norm over every shard (tp, dp, and pp through ``pp_group``), as a single process would."""
 
     pp_group: Any = None
     """The pipeline group, set by the strategy under pp > 1, so that the norm covers every stage."""
 
-    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val), pp_group=self.pp_group)
+        clip_optimizer_grads(optimizer, float(clip_val), pp_group=self.pp_group)
+
+
+class Par3DPrecision(_GlobalNormClipping, Precision):
+    """``precision="32-true"``."""
+
+
+class Par3DMixedPrecision(_GlobalNormClipping, MixedPrecision):
+    """``precision="bf16-mixed"`` (or ``"16-mixed"`` on CUDA): Lightning's autocast, global-norm clipping."""
+
+    def __init__(self, precision: str, device: str, scaler: Any = None) -> None:
+        if precision == "16-mixed" and scaler is None:
+            scaler = GlobalGradScaler(device)
+        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+
+
+class Par3DHalfPrecision(_GlobalNormClipping, HalfPrecision):
+    """``precision="bf16-true"``: the model built and trained in bf16."""
+
+
+def as_par3d_precision(plugin: Precision) -> Precision:
+    """par3d's counterpart of a Lightning Trainer precision plugin (which clips by the global norm)."""
+    if isinstance(plugin, _GlobalNormClipping):
+        return plugin
+    name = precision_name(plugin)
+    check_precision(name, zero_stage=0)
+    if type(plugin) is Precision:
+        return Par3DPrecision()
+    if isinstance(plugin, MixedPrecision):
+        return Par3DMixedPrecision(name, plugin.device)
+    if isinstance(plugin, HalfPrecision) and name == "bf16-true":
+        return Par3DHalfPrecision("bf16-true")
+    raise ValueError(
+        f"par3d does not support the {type(plugin).__name__} plugin (precision={name!r}). Use "
+        f"precision= one of {', '.join(map(repr, PRECISIONS))}."
+    )
+
+
+class GlobalGradScaler(torch.amp.GradScaler):
+    """fp16 loss scaling for sharded models: the overflow check looks at each rank's own shard of every gradient
+    (DTensors included) and is combined over all ranks, so every rank skips or takes the step together."""
+
+    @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        import torch.distributed as dist
+
+        from lightning_par3d.zero import local_tensor
+
+        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par3d import checkpoint as ckpt
+from lightning_par3d.compression import check_compression_device
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.data_parallel import no_gradient_sync
 from lightning_par3d.distributed import build_mesh, init_distributed
@@ -35,7 +36,8 @@ from lightning_par3d.materialize import build_context
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.parallelize import parallelize
 from lightning_par3d.pipeline import PendingPipelineOutput
-from lightning_par3d.precision import Par3DPrecision
+from lightning_par3d.precision import Par3DPrecision, as_par3d_precision, check_precision, precision_name
+from lightning_par3d.zero import wrap_optimizers, zero_optimizers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,19 +146,21 @@ class Par3DStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None and type(precision_plugin) is Precision:
-            precision_plugin = Par3DPrecision()
-        if precision_plugin is not None and not isinstance(precision_plugin, Par3DPrecision):
-            raise ValueError(
-                f"par3d supports precision='32-true' in this version; got the {type(precision_plugin).__name__} "
-                "plugin. Remove `precision=` from the Trainer (mixed precision comes with the ZeRO work)."
-            )
-        self._precision_plugin = precision_plugin
+        """Lightning's plugin for ``precision=`` becomes par3d's counterpart (see :mod:`lightning_par3d.precision`);
+        an unsupported precision raises here, before any process is launched."""
+        self._precision_plugin = as_par3d_precision(precision_plugin) if precision_plugin is not None else None
+
+    @property
+    def precision(self) -> str:
+        """Lightning's ``precision=`` value in use (``"32-true"``, ``"bf16-mixed"``, …)."""
+        return precision_name(self.precision_plugin)
 
     # ---------------------------------------------------------------- processes
     @override
     def _configure_launcher(self) -> None:
-        _ = self.layout  # validate against the world size before any process is launched
+        # Validate against the world size, the precision and the devices before any process is launched.
+        check_precision(self.precision, self.layout.zero)
+        check_compression_device(self.config.grad_compression, self.root_device.type)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -197,19 +201,32 @@ class Par3DStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.model, report = parallelize(self.model, self.mesh, self.config, self.root_device)
+        # No convert_module: under "bf16-true" the model was built in bf16 (tensor_init_context), and FSDP2 modules
+        # must not be cast after sharding.
+        self.model, report = parallelize(self.model, self.mesh, self.config, self.root_device, self.precision)
         rank_zero_info(f"par3d: {self.layout} on {self.world_size} ranks; {report}.")
+        runner = getattr(self.lightning_module, "_par3d_pipeline", None)
         if self.layout.pp > 1:
-            assert isinstance(self.precision_plugin, Par3DPrecision)
-            self.precision_plugin.pp_group = self.mesh["pp"].get_group()
-            runner = getattr(self.lightning_module, "_par3d_pipeline", None)
+            self.precision_plugin.pp_group = self.mesh["pp"].get_group()  # type: ignore[attr-defined]
             if runner is not None:
                 runner.accumulate = trainer.accumulate_grad_batches
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            if runner is not None:
+                runner.zero = zero_optimizers(self.optimizers)
         self.setup_precision_plugin()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The LightningModule's optimizers; under zero_stage 1 or 2 each is wrapped in a
+        :class:`~lightning_par3d.zero.ZeroOptimizer` (its schedulers follow the wrapper)."""
+        _close_zero(self.optimizers)
+        super().setup_optimizers(trainer)
+        if self.layout.zero in (1, 2):
+            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+            self.optimizers = wrap_optimizers(self.optimizers, schedulers, self.layout.zero, self.mesh)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -245,14 +262,18 @@ class Par3DStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:  # parallelize() materialized every shard on the device already
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not self.config.offload:  # offloaded shards stay in CPU memory
+            self.model.to(self.root_device)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skips the gradient reduction on the non-final batches of ``accumulate_grad_batches``."""
         assert self.model is not None
-        with no_gradient_sync(self.model):
+        with ExitStack() as stack:
+            stack.enter_context(no_gradient_sync(self.model))
+            for zero in zero_optimizers(self.optimizers):
+                stack.enter_context(zero.no_sync())
             yield
 
     # ---------------------------------------------------------------- collectives
@@ -284,6 +305,7 @@ class Par3DStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        _close_zero(self.optimizers)
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -333,3 +355,9 @@ class Par3DStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
+
+
+def _close_zero(optimizers: Iterable[Any]) -> None:
+    """Removes the gradient hooks of the ZeRO wrappers among ``optimizers`` (before new ones replace them)."""
+    for zero in zero_optimizers(optimizers):
+        zero.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from lightning_par3d.patterns import matches
@@ -116,3 +117,25 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Ma
     modules = dict(module.named_modules())
     plan = {name: build_style(style, modules[name]) for name, style in fqn_styles.items()}
     parallelize_module(module, tp_mesh, plan)
+
+
+def match_param_layout(param: torch.Tensor) -> None:
+    """Gives a DTensor parameter's gradient the parameter's own placements. A vocabulary-parallel embedding's
+    gradient comes back replicated (the whole vocabulary on every tp rank); cutting it to the parameter's shard is a
+    local slice, and it keeps each rank's gradient the size of its parameter."""
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def keep_grads_in_param_layout(module: nn.Module) -> int:
+    """Registers :func:`match_param_layout` on every DTensor parameter of ``module`` (for layouts where no FSDP2
+    unit does it); returns how many."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in module.parameters() if isinstance(p, DTensor) and p.requires_grad]
+    for param in params:
+        param.register_post_accumulate_grad_hook(match_param_layout)
+    return len(params)

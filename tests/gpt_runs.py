@@ -105,9 +105,11 @@ def run_par3d(
     resume_from: str | None = None,
     data: dict[str, Any] | None = None,
     global_seed: int = SEED,
+    keep_module: bool = False,
     **trainer_overrides: Any,
 ) -> dict:
-    """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields."""
+    """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields. ``keep_module`` adds the
+    trained LightningModule to the result (for jobs that inspect it before returning)."""
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(global_seed, verbose=False)
@@ -124,10 +126,11 @@ def run_par3d(
     trainer.fit(module, datamodule, ckpt_path=resume_from)
     saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {
+    result = {
         "losses": recorder.losses,
         "local_losses": recorder.local_losses,
         "metrics": metrics,
         "params": full_state(module),
         "saved": saved,
     }
+    return {**result, "module": module} if keep_module else result

@@ -84,9 +84,10 @@ def test_config_and_fields_are_exclusive():
         Par3DStrategy(Par3DConfig(), tp=2)
 
 
-def test_mixed_precision_is_refused_clearly():
-    with pytest.raises(ValueError, match="par3d supports precision='32-true' in this version"):
-        L.Trainer(accelerator="cpu", devices=2, strategy="par3d", precision="bf16-mixed", logger=False)
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
+def test_unsupported_precision_is_refused_clearly(precision):
+    with pytest.raises(ValueError, match=f"par3d does not support precision='{precision}'. Choose among '32-true'"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="par3d", precision=precision, logger=False)
 
 
 def test_registered_names():

@@ -32,7 +32,7 @@ def fabric_job(
             accelerator="cpu", devices=devices, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy)
         )
     fabric.launch()
-    losses, model = fabric_train(
+    losses, model, _ = fabric_train(
         fabric, steps, 8, {**FABRIC_MODEL, **(model or {})}, FABRIC_DATA, eps=MODEL["eps"], clip=clip, seed=SEED
     )
     params = full_state(model)
@@ -125,11 +125,21 @@ def fabric_checkpoint_job(strategy: dict, path: str) -> dict:
     params_equal = all(
         torch.equal(local(a), local(b)) for a, b in zip(model.parameters(), model2.parameters(), strict=True)
     )
-    states = [optimizer.state[p] for p in model.parameters()], [optimizer2.state[p] for p in model2.parameters()]
+    states = _per_parameter_state(optimizer, model), _per_parameter_state(optimizer2, model2)
     optim_equal = all(
         torch.equal(local(s1[k]), local(s2[k])) for s1, s2 in zip(*states, strict=True) for k in ("exp_avg", "step")
     )
     return {"params": params_equal, "optimizer": optim_equal, "step": state["step"]}
+
+
+def _per_parameter_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[dict]:
+    """The optimizer state of each parameter in order; a ZeRO wrapper's is that of this rank's rows."""
+    from lightning_par3d.zero import zero_optimizers
+
+    zero = zero_optimizers([optimizer])
+    if zero:
+        return [zero[0].inner.state[t] for group in zero[0].inner.param_groups for t in group["params"]]
+    return [optimizer.state[p] for p in model.parameters()]
 
 
 @pytest.mark.parametrize("strategy", [dict(dp_shard=2, tp=2), dict(pp=2, tp=2)], ids=["dp2xtp2", "pp2xtp2"])

@@ -1,0 +1,479 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al., 2019): an optimizer wrapper over the ``dp_shard`` group.
+
+Parameters stay whole on every rank (plain tensors, or DTensors over ``tp``). Each parameter's local tensor is cut
+into ``N = dp_shard`` chunks of rows along dim 0, with ``torch.chunk``'s sizes (``ceil(rows / N)`` per rank, the last
+ranks taking what is left): the same cut FSDP2 makes. Rank ``d`` of the group owns chunk ``d``: the wrapped
+optimizer is rebuilt over those chunks only, so its state is ``1/N`` of a whole optimizer's. Per training step:
+
+* **stage 1** (``P_os``): gradients are all-reduced (averaged) over the data-parallel group as each one is ready, so
+  every rank holds the whole gradient, as under DDP; the optimizer steps the owned rows (their gradient is a view of
+  the whole gradient, no copy); then every parameter is all-gathered from its owners over ``dp_shard``.
+* **stage 2** (``P_os+g``): as each gradient is ready it is reduce-scattered over ``dp_shard`` (then averaged over
+  ``dp_replicate``), the owned rows are kept and the whole gradient is freed at once. Between backward and step a
+  rank holds ``1/N`` of the gradients.
+
+The owned rows are views into the parameter's own storage, so the optimizer writes the parameter in place and no
+master copy exists. A parameter whose rows do not divide by ``N`` gets a storage padded to ``N · ceil(rows / N)``
+rows (at most ``N − 1`` rows of padding), so that the all-gather writes every chunk in place. 0-d parameters are
+not cut: every rank steps them whole.
+
+Only element-wise optimizers give the same update on a chunk as on the whole tensor (SGD, Adam, AdamW, …); others
+are refused. The wrapper shares the wrapped optimizer's ``param_groups`` dicts, so learning-rate schedulers bound
+to it keep working; the hyper-parameters are copied to the inner optimizer before every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par3d.tensor_parallel import match_param_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+    from lightning_par3d.mesh import Par3DMesh
+
+ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+}
+"""Optimizers whose update of one element depends only on that element's gradient and state, so that stepping a
+chunk of rows equals stepping the whole tensor. Add a class of your own here if that holds for it."""
+
+
+def shard_rows(rows: int, n: int, index: int) -> tuple[int, int, int]:
+    """``(start, stop, chunk)``: the rows that shard ``index`` of ``n`` owns, ``torch.chunk``'s (and DTensor's
+    ``Shard(0)``) sizes: ``chunk = ceil(rows / n)`` rows per shard, fewer (or none) on the last."""
+    chunk = math.ceil(rows / n)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows), chunk
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The rank's own tensor of a DTensor (its ``_local_tensor``, the storage FSDP2 and DCP use too), or ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass
+class _Shard:
+    """One parameter as ZeRO holds it on this rank."""
+
+    param: nn.Parameter
+    storage: Tensor  # [n · chunk, *rest]: padded so that the all-gather writes every chunk in place
+    n: int  # shards over dp_shard (1: not cut, every rank owns it whole)
+    index: int  # this rank's shard
+    start: int
+    stop: int
+    chunk: int
+    tensor: Tensor  # what the inner optimizer steps: the owned rows, a view into ``storage``
+    placements: tuple[Placement, ...]  # of the owned rows, as a DTensor on (dp_replicate, dp_shard, tp)
+
+    @property
+    def own_chunk(self) -> Tensor:
+        """This rank's chunk of the padded storage (the all-gather's input)."""
+        return self.storage[self.index * self.chunk : (self.index + 1) * self.chunk]
+
+
+class ZeroOptimizer(Optimizer):
+    """ZeRO stage 1 or 2 over ``optimizer``: see the module docstring.
+
+    Build it after the model's parameters are final (after tensor parallelism and materialization) and instead of
+    stepping ``optimizer`` itself. ``optimizer`` must not have taken a step yet.
+    """
+
+    def __init__(self, optimizer: Optimizer, stage: int, mesh: Par3DMesh) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer serves zero_stage 1 and 2; got {stage}. Stage 3 is FSDP2.")
+        _check_elementwise(optimizer)
+        if any(optimizer.state.values()):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} already holds state; ZeroOptimizer must wrap it before its first step."
+            )
+        # The same group dicts as ``optimizer``: a scheduler that sets group["lr"] on it is seen here.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.stage = stage
+        self.wrapped = optimizer
+        self.require_backward_grad_sync = True
+        self._mesh = mesh
+        self._state_mesh = mesh.device_mesh["dp_replicate", "dp_shard", "tp"]
+        self._shards: dict[Tensor, _Shard] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param in self._shards:
+                    raise ValueError("A parameter appears twice in the optimizer's parameter groups.")
+                self._shards[param] = self._shard(param)
+        self.inner = _rebuild(optimizer, [[self._shards[p].tensor for p in g["params"]] for g in self.param_groups])
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._shards if p.requires_grad
+        ]
+
+    # ---------------------------------------------------------------- layout
+    def _shard(self, param: Tensor) -> _Shard:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        whole = local_tensor(param).dim() > 0
+        n = self._mesh.layout.dp_shard if whole else 1
+        index = self._mesh["dp_shard"].get_local_rank() if n > 1 else 0
+        rows = local_tensor(param).shape[0] if whole else 1
+        start, stop, chunk = shard_rows(rows, n, index)
+        storage = _padded_storage(param, n * chunk) if whole else local_tensor(param).detach().view(1)
+        tp_placement = param.placements[0] if isinstance(param, DTensor) else Replicate()
+        if n == 1:
+            dp_placement: Placement = Replicate()
+        elif isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+            # tp cuts dim 0 first, then dp_shard cuts each tp piece: FSDP2's right-to-left 2D layout.
+            dp_placement = _StridedShard(0, split_factor=self._mesh.layout.tp)
+        else:
+            dp_placement = Shard(0)
+        return _Shard(
+            param=param,  # type: ignore[arg-type]
+            storage=storage,
+            n=n,
+            index=index,
+            start=start,
+            stop=stop,
+            chunk=chunk,
+            tensor=storage[start:stop] if whole else local_tensor(param).detach(),
+            placements=(Replicate(), dp_placement, tp_placement),
+        )
+
+    # ---------------------------------------------------------------- gradients
+    def _on_grad_ready(self, param: Tensor) -> None:
+        """Runs as each parameter's gradient is accumulated in a backward pass."""
+        match_param_layout(param)
+        if self.stage == 2:
+            self._reduce_scatter(self._shards[param])
+        elif self.require_backward_grad_sync:
+            self._all_reduce(param)
+
+    def _all_reduce(self, param: Tensor) -> None:
+        import torch.distributed as dist
+
+        if param.grad is not None:
+            dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.AVG, group=self._mesh["dp"].get_group())
+
+    @torch.no_grad()
+    def _reduce_scatter(self, shard: _Shard) -> None:
+        """Stage 2: averages the gradient over the data-parallel group into this rank's rows, then frees it."""
+        import torch.distributed as dist
+
+        grad = shard.param.grad
+        if grad is None:
+            return
+        full = local_tensor(grad)
+        full = full.view(1) if full.dim() == 0 else full
+        if shard.n == 1:
+            dist.all_reduce(full, op=dist.ReduceOp.AVG, group=self._mesh["dp"].get_group())
+            piece = full.view_as(shard.tensor)
+        else:
+            if full.shape[0] != shard.storage.shape[0]:
+                padded = full.new_zeros(shard.storage.shape)
+                padded[: full.shape[0]] = full
+                full = padded
+            out = full.new_empty(shard.own_chunk.shape)
+            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=self._mesh["dp_shard"].get_group())
+            if self._mesh.layout.dp_replicate > 1:
+                dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self._mesh["dp_replicate"].get_group())
+            piece = out[: shard.stop - shard.start]
+        if shard.tensor.grad is None:
+            shard.tensor.grad = piece
+        else:
+            shard.tensor.grad += piece
+        shard.param.grad = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: backward passes inside keep their gradients local (accumulation), like DDP's ``no_sync``. Stage
+        2 reduce-scatters every backward pass regardless, so that no rank ever holds whole gradients for long."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def reduce_gradients(self) -> None:
+        """Stage 1: averages every gradient over the data-parallel group now, in parameter order. Used after a
+        pipeline schedule, whose backward passes run with the reduction switched off."""
+        for param in self._shards:
+            match_param_layout(param)
+            self._all_reduce(param)
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Runs ``closure`` (forward and backward, under Lightning), steps the owned rows, then all-gathers every
+        parameter from its owners."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._opt_called = True  # what an LR scheduler checks to tell the step ran
+        if self.stage == 1:
+            for shard in self._shards.values():
+                grad = shard.param.grad
+                shard.tensor.grad = None if grad is None else self._owned_rows(local_tensor(grad), shard)
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
+            inner_group.update({k: v for k, v in group.items() if k != "params"})
+        self.inner.step()
+        if self.stage == 1:
+            for shard in self._shards.values():
+                shard.tensor.grad = None  # views into the gradients, which must not outlive them
+        self._all_gather()
+        return loss
+
+    @staticmethod
+    def _owned_rows(full: Tensor, shard: _Shard) -> Tensor:
+        """This rank's rows of a parameter-shaped local tensor (all of it when the parameter is not cut)."""
+        return full if shard.n == 1 else full[shard.start : shard.stop]
+
+    def _all_gather(self) -> None:
+        import torch.distributed as dist
+
+        group = self._mesh["dp_shard"].get_group()
+        works = [
+            dist.all_gather_into_tensor(shard.storage, shard.own_chunk, group=group, async_op=True)
+            for shard in self._shards.values()
+            if shard.n > 1
+        ]
+        for work in works:
+            work.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' gradients and the owned rows' gradients."""
+        for shard in self._shards.values():
+            if set_to_none:
+                shard.param.grad = None
+            elif shard.param.grad is not None:
+                shard.param.grad.zero_()
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "inner"):
+            raise RuntimeError("ZeroOptimizer cannot take parameter groups after construction; add them before.")
+        super().add_param_group(param_group)
+
+    # ---------------------------------------------------------------- clipping
+    def shard_grads(self) -> list[Tensor]:
+        """Stage 2: each owned rows' gradient as a DTensor over ``(dp_replicate, dp_shard, tp)``, whose norm
+        DTensor reduces over every rank that holds a piece (``lightning_par3d.gradients`` takes it from there)."""
+        return [
+            self._as_dtensor(shard, shard.tensor.grad)
+            for shard in self._shards.values()
+            if shard.tensor.grad is not None
+        ]
+
+    # ---------------------------------------------------------------- state
+    def _as_dtensor(self, shard: _Shard, value: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        shape = shard.param.shape
+        return DTensor.from_local(
+            value, self._state_mesh, shard.placements, run_check=False, shape=shape, stride=_contiguous(shape)
+        )
+
+    def _is_sharded_state(self, shard: _Shard, value: Any) -> bool:
+        return isinstance(value, Tensor) and value.shape == shard.tensor.shape and value.dim() > 0
+
+    def _ensure_state(self) -> None:
+        """Creates the inner optimizer's state (as a step with zero gradients and learning rate 0 would), so that a
+        checkpoint can be loaded into it in place before the first real step."""
+        if all(self.inner.state.get(s.tensor) for s in self._shards.values()):
+            return
+        saved_lrs = [group["lr"] for group in self.inner.param_groups]
+        for shard in self._shards.values():
+            shard.tensor.grad = torch.zeros_like(shard.tensor)
+        for group in self.inner.param_groups:
+            group["lr"] = 0.0
+        self.inner.step()
+        for group, lr in zip(self.inner.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
+        self.inner.zero_grad(set_to_none=True)
+
+    def sharded_state_dict(self, names: dict[Tensor, str], for_loading: bool = False) -> dict[str, Any]:
+        """The state keyed by parameter name, DCP's flattened optimizer layout (``state.<name>.exp_avg``,
+        ``param_groups.<name>.lr``): each state tensor is a DTensor whose global shape is the parameter's, holding
+        only this rank's rows, so ``torch.distributed.checkpoint`` writes every piece once and never gathers.
+        ``for_loading`` first creates the state (before the first step there is none) for DCP to load into."""
+        if for_loading:
+            self._ensure_state()
+        out: dict[str, Any] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                shard, name = self._shards[param], names[param]
+                for key, value in self.inner.state[shard.tensor].items():
+                    sharded = self._is_sharded_state(shard, value)
+                    out[f"state.{name}.{key}"] = self._as_dtensor(shard, value) if sharded else value
+                out.update({f"param_groups.{name}.{k}": v for k, v in group.items() if k != "params"})
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, Any], names: dict[Tensor, str]) -> None:
+        """Restores from :meth:`sharded_state_dict`'s layout (tensors DCP loaded in place are kept as they are)."""
+        self._ensure_state()
+        for group in self.param_groups:
+            for param in group["params"]:
+                shard, name = self._shards[param], names[param]
+                inner_state = self.inner.state[shard.tensor]
+                for key in inner_state:
+                    value = state[f"state.{name}.{key}"]
+                    inner_state[key] = self._local_piece(shard, value, inner_state[key])
+                group.update({k: state[f"param_groups.{name}.{k}"] for k in group if k != "params"})
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s layout (``state`` by parameter index, ``param_groups``), each state tensor a DTensor
+        holding this rank's rows of the parameter-shaped whole. :meth:`full_state_dict` gathers it."""
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            ids = []
+            for param in group["params"]:
+                shard = self._shards[param]
+                state[index] = {
+                    k: self._as_dtensor(shard, v) if self._is_sharded_state(shard, v) else v
+                    for k, v in self.inner.state[shard.tensor].items()
+                }
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every tensor gathered whole (a collective: call it on every rank). It loads into
+        the plain optimizer of a single-process run of the same model."""
+        from torch.distributed.tensor import DTensor
+
+        sharded = self.state_dict()
+        for entry in sharded["state"].values():
+            for key, value in entry.items():
+                if isinstance(value, DTensor):
+                    entry[key] = value.full_tensor()
+        return sharded
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads :meth:`state_dict` or :meth:`full_state_dict` output (or a plain optimizer's state dict of the same
+        parameters): whole tensors are cut to this rank's rows (and tensor-parallel piece)."""
+        self._ensure_state()
+        shards = [self._shards[p] for group in self.param_groups for p in group["params"]]
+        for index, shard in enumerate(shards):
+            saved = state_dict["state"].get(index, {})
+            inner_state = self.inner.state[shard.tensor]
+            for key in inner_state:
+                inner_state[key] = self._local_piece(shard, saved[key], inner_state[key])
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+    def _local_piece(self, shard: _Shard, value: Any, current: Any) -> Any:
+        """This rank's part of a saved state value, shaped like ``current``."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(value, Tensor) or not isinstance(current, Tensor):
+            return value
+        if isinstance(value, DTensor):
+            if tuple(value.placements) != shard.placements:
+                value = value.redistribute(self._state_mesh, shard.placements)
+            value = value.to_local()
+        elif value.shape == shard.param.shape and current.shape != value.shape:
+            value = self._owned_rows(_tp_piece(shard.param, value), shard)
+        if value.data_ptr() != current.data_ptr():
+            current.copy_(value.view_as(current))
+        return current
+
+    def close(self) -> None:
+        """Removes the gradient hooks (the parameters keep their padded storage)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _check_elementwise(optimizer: Optimizer) -> None:
+    if not isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+        raise TypeError(
+            f"zero_stage 1 and 2 step each rank's rows of every parameter, which equals the whole update only for "
+            f"element-wise optimizers; {type(optimizer).__name__} is not known to be one (known: "
+            f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))}). Use zero_stage=0 or 3, or, if it is "
+            "element-wise, add it to lightning_par3d.zero.ELEMENTWISE_OPTIMIZERS."
+        )
+
+
+def _padded_storage(param: Tensor, padded_rows: int) -> Tensor:
+    """The parameter's local tensor in a storage of ``padded_rows`` rows. The parameter moves into it (``.data``)
+    when padding is needed, so that it stays the same object for the model, the hooks and the user."""
+    local = local_tensor(param)
+    if local.shape[0] == padded_rows:
+        return local.detach()
+    storage = local.new_zeros((padded_rows, *local.shape[1:]))
+    storage[: local.shape[0]] = local
+    local.data = storage[: local.shape[0]]
+    return storage
+
+
+def _rebuild(optimizer: Optimizer, groups_params: list[list[Tensor]]) -> Optimizer:
+    """A new optimizer of ``optimizer``'s class over other tensors, with the same hyper-parameters per group."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": params}
+        for group, params in zip(optimizer.param_groups, groups_params, strict=True)
+    ]
+    return type(optimizer)(groups, **kwargs)
+
+
+def _tp_piece(param: Tensor, whole: Tensor) -> Tensor:
+    """This rank's tensor-parallel piece of a parameter-shaped ``whole``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return whole
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+
+def _contiguous(shape: Iterable[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def wrap_optimizers(optimizers: list[Optimizer], schedulers: Iterable[Any], stage: int, mesh: Par3DMesh) -> list[Any]:
+    """Wraps each optimizer for ZeRO ``stage`` (1 or 2) and points the schedulers bound to it at the wrapper."""
+    wrapped = [ZeroOptimizer(opt, stage, mesh) for opt in optimizers]
+    by_id = {id(w.wrapped): w for w in wrapped}
+    for scheduler in schedulers:
+        if id(getattr(scheduler, "optimizer", None)) in by_id:
+            scheduler.optimizer = by_id[id(scheduler.optimizer)]
+    return wrapped
+
+
+def zero_optimizers(optimizers: Iterable[Any]) -> list[ZeroOptimizer]:
+    """The :class:`ZeroOptimizer` among ``optimizers`` (unwrapping Lightning's and Fabric's optimizer wrappers)."""
+    found = []
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        if isinstance(inner, ZeroOptimizer):
+            found.append(inner)
+    return found
