@@ -33,9 +33,10 @@ lint: setup  ## ruff, ruff format --check and mypy.
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-bench: setup  ## Benchmarks: par3d against Lightning's strategies; the measured pipeline bubble.
+bench: setup  ## Benchmarks: par3d against Lightning's strategies; the pipeline bubble; ZeRO stages.
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_pipeline_bubble.py
+	$(PY) benchmarks/bench_zero.py
 
 clean:  ## Remove the virtual environment and run outputs.
 	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache .mypy_cache .ruff_cache

@@ -1,8 +1,9 @@
 """Train the bundled GPT with par3d, configured by Hydra (``conf/``).
 
-    python examples/train.py experiment=demo                  # dp=2 × tp=2 on 4 CPU processes
+    python examples/train.py experiment=demo                  # dp=2 × tp=2 × pp=2 on 8 CPU processes
     python examples/train.py strategy.tp=2 trainer.devices=2  # any Par3DConfig field from the command line
     python examples/train.py -m strategy.dp_shard=1,2 strategy.tp=2 trainer.devices=4 strategy.dp_replicate=2,1
+    python examples/train.py experiment=demo mode=estimate    # each rank's memory, before launching anything
 
 Lightning launches the other ranks itself (re-running this command); under torchrun or SLURM each rank runs it.
 """
@@ -22,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import lightning_par3d  # noqa: F401  (registers "par3d")
+from lightning_par3d.estimate import MemoryEstimate, estimate_memory
 from lightning_par3d.hydra import register_configs
 
 register_configs()
@@ -50,8 +52,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def estimate(cfg: DictConfig) -> MemoryEstimate:
+    """``mode=estimate``: each rank's memory for the configured model, layout, batch and precision, computed in
+    this process (fake tensors, a fake process group) before any rank is launched."""
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    batch = (cfg.data.batch_size, cfg.data.block_size)
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    result = estimate_memory(instantiate(cfg.model), strategy.config, world_size, batch, precision=precision)
+    print(result)
+    return result
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> Any:
+    if cfg.mode == "estimate":
+        return estimate(cfg).peak
+    if cfg.mode != "train":
+        raise ValueError(f"mode={cfg.mode!r} is not a mode. Allowed: 'train', 'estimate'.")
     return train(cfg).get("val_loss")
 
 

@@ -10,21 +10,30 @@ Importing the package registers the strategy as ``"par3d"`` for both ``lightning
 """
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.estimate import MemoryEstimate, estimate_memory
 from lightning_par3d.fabric import Par3DFabricStrategy
 from lightning_par3d.gradients import clip_grad_norm_, total_grad_norm
+from lightning_par3d.memory import ModelStateBytes, SavedTensorMeter, model_state_bytes
 from lightning_par3d.mesh import Par3DMesh
 from lightning_par3d.parallelize import parallelize
 from lightning_par3d.strategy import Par3DStrategy
 from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
+from lightning_par3d.zero import ZeroOptimizer
 
 __all__ = [
     "STYLE_NAMES",
     "Layout",
+    "MemoryEstimate",
+    "ModelStateBytes",
     "Par3DConfig",
     "Par3DFabricStrategy",
     "Par3DMesh",
     "Par3DStrategy",
+    "SavedTensorMeter",
+    "ZeroOptimizer",
     "clip_grad_norm_",
+    "estimate_memory",
+    "model_state_bytes",
     "parallelize",
     "resolve_layout",
     "total_grad_norm",
@@ -37,7 +46,7 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    description = "par3d: data (FSDP2/HSDP/replicated) × tensor (DTensor) parallel, from one config"
+    description = "par3d: data (ZeRO 0-3, HSDP) × tensor (DTensor) × pipeline parallel, from one config"
     if "par3d" not in StrategyRegistry:
         StrategyRegistry.register("par3d", Par3DStrategy, description=description)
     if "par3d" not in FABRIC_REGISTRY:

@@ -44,8 +44,7 @@ from lightning_par3d.pipeline_split import (
     stage_indices,
 )
 from lightning_par3d.precision import check_precision
-from lightning_par3d.tensor_parallel import apply_tensor_parallel, expand_plan, find_plan
-from lightning_par3d.zero import local_tensor
+from lightning_par3d.tensor_parallel import apply_tensor_parallel, expand_plan, find_plan, local_tensor
 from lightning_par3d.zero_formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
 
 _DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
@@ -247,9 +246,11 @@ def _fake_rank(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
-    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory)."""
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
+def _build(module: nn.Module | Callable[[], nn.Module], precision: str, gathered: torch.dtype | None) -> nn.Module:
+    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in the dtype its
+    forward sees the parameters in: bf16 under ``bf16-true``, FSDP2's gathering dtype (``gathered``) under its
+    mixed-precision policy (autocast then makes no copies of them), else the default."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else gathered or torch.get_default_dtype()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -291,15 +292,33 @@ def _measure_stages(
         device_mesh = _device_mesh(layout)  # a real (CPU) mesh tensor, outside the fake mode
         for stage in range(n_stages):
             with fake:
-                built = _build(module, precision)
+                built = _build(module, precision, _gathered_dtype(mesh, precision))
                 if layout.pp > 1:
                     part, root, run = _pipeline_stage(built, config, stage, n_stages, carried, microbatch)
                 else:
                     part, root, run = built, built, _whole_step(built, microbatch, loss_fn)
-                result = _measure(part, root, config, device_mesh, run)
+                with _autocast(precision):
+                    result = _measure(part, root, config, device_mesh, run)
             carried = result.output
             results.append(result)
     return results
+
+
+def _gathered_dtype(mesh: Par3DMesh, precision: str) -> torch.dtype | None:
+    """The dtype FSDP2's mixed-precision policy gathers parameters in, where FSDP2 serves this layout."""
+    from lightning_par3d.data_parallel import uses_fsdp
+    from lightning_par3d.precision import fsdp_mixed_precision
+
+    policy = fsdp_mixed_precision(precision) if uses_fsdp(mesh) else None
+    return policy.param_dtype if policy is not None else None
+
+
+def _autocast(precision: str) -> Any:
+    """The autocast a ``-mixed`` run's forward runs under (so that saved activations have its dtypes)."""
+    from contextlib import nullcontext
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
 
 
 def _device_mesh(layout: Layout) -> Any:
@@ -353,6 +372,7 @@ def _measure(
     if device_mesh["tp"].size() > 1:
         plan = find_plan(root, config.tp_plan)
         apply_tensor_parallel(part, device_mesh["tp"], expand_plan(part, plan, allow_missing=True))
+    shapes = _local_shapes(part)
     meter = SavedTensorMeter()
     per_block: list[int] = []
     if config.activation_checkpointing in ("full", "selective"):
@@ -366,7 +386,7 @@ def _measure(
     with meter:
         output = run()
     detached = output.detach() if isinstance(output, Tensor) else None
-    return _StageMeasure(_local_shapes(part), meter.peak, max(per_block, default=0), detached)
+    return _StageMeasure(shapes, meter.peak, max(per_block, default=0), detached)
 
 
 def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[int]) -> list[Any]:

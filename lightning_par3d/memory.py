@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_par3d.zero import local_tensor, zero_optimizers
+from lightning_par3d.tensor_parallel import local_tensor
+from lightning_par3d.zero import zero_optimizers
 
 
 def storage_key(t: Tensor) -> int:

@@ -121,7 +121,7 @@ class PipelineRunner:
         if self.holds_last_stage:
             loss = torch.stack([x.detach().float() for x in losses]).sum() / self.grad_scale / self.n_microbatches
         else:
-            loss = torch.zeros((), device=device)
+            loss = torch.zeros((), device=device, dtype=torch.float32)  # fp32 on every rank, as on the last
         dist.broadcast(loss, src=self.last_stage_rank, group=self.pp_group)
         return loss
 

@@ -118,7 +118,7 @@ class GlobalGradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         import torch.distributed as dist
 
-        from lightning_par3d.zero import local_tensor
+        from lightning_par3d.tensor_parallel import local_tensor
 
         grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:

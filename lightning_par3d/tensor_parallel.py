@@ -119,6 +119,13 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Ma
     parallelize_module(module, tp_mesh, plan)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor of a DTensor (its ``_local_tensor``, the storage FSDP2 and DCP use too), or ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def match_param_layout(param: torch.Tensor) -> None:
     """Gives a DTensor parameter's gradient the parameter's own placements. A vocabulary-parallel embedding's
     gradient comes back replicated (the whole vocabulary on every tp rank); cutting it to the parameter's shard is a

@@ -5,12 +5,15 @@ into ``N = dp_shard`` chunks of rows along dim 0, with ``torch.chunk``'s sizes (
 ranks taking what is left): the same cut FSDP2 makes. Rank ``d`` of the group owns chunk ``d``: the wrapped
 optimizer is rebuilt over those chunks only, so its state is ``1/N`` of a whole optimizer's. Per training step:
 
-* **stage 1** (``P_os``): gradients are all-reduced (averaged) over the data-parallel group as each one is ready, so
-  every rank holds the whole gradient, as under DDP; the optimizer steps the owned rows (their gradient is a view of
-  the whole gradient, no copy); then every parameter is all-gathered from its owners over ``dp_shard``.
-* **stage 2** (``P_os+g``): as each gradient is ready it is reduce-scattered over ``dp_shard`` (then averaged over
-  ``dp_replicate``), the owned rows are kept and the whole gradient is freed at once. Between backward and step a
-  rank holds ``1/N`` of the gradients.
+* **stage 1** (``P_os``): gradients are all-reduced (averaged) over the data-parallel group during backward, a
+  bucket at a time, so every rank holds the whole gradient, as under DDP; the optimizer steps the owned rows (their
+  gradient is a view of the whole gradient, no copy); then every parameter is all-gathered from its owners over
+  ``dp_shard``.
+* **stage 2** (``P_os+g``): during backward each bucket of gradients is reduce-scattered over ``dp_shard`` (then
+  averaged over ``dp_replicate``) as soon as it is complete; the owned rows are kept and the whole gradients freed.
+  Between backward and step a rank holds ``1/N`` of the gradients.
+
+The bucketing and collectives are in :mod:`lightning_par3d.zero_buckets`.
 
 The owned rows are views into the parameter's own storage, so the optimizer writes the parameter in place and no
 master copy exists. A parameter whose rows do not divide by ``N`` gets a storage padded to ``N · ceil(rows / N)``
@@ -25,17 +28,24 @@ to it keep working; the hyper-parameters are copied to the inner optimizer befor
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_par3d.tensor_parallel import match_param_layout
+from lightning_par3d.tensor_parallel import local_tensor, match_param_layout
+from lightning_par3d.zero_buckets import (
+    Bucket,
+    ParamShard,
+    all_gather_buckets,
+    all_reduce_bucket,
+    make_buckets,
+    reduce_scatter_bucket,
+    shard_rows,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -57,41 +67,6 @@ ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
 }
 """Optimizers whose update of one element depends only on that element's gradient and state, so that stepping a
 chunk of rows equals stepping the whole tensor. Add a class of your own here if that holds for it."""
-
-
-def shard_rows(rows: int, n: int, index: int) -> tuple[int, int, int]:
-    """``(start, stop, chunk)``: the rows that shard ``index`` of ``n`` owns, ``torch.chunk``'s (and DTensor's
-    ``Shard(0)``) sizes: ``chunk = ceil(rows / n)`` rows per shard, fewer (or none) on the last."""
-    chunk = math.ceil(rows / n)
-    start = min(index * chunk, rows)
-    return start, min(start + chunk, rows), chunk
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The rank's own tensor of a DTensor (its ``_local_tensor``, the storage FSDP2 and DCP use too), or ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-@dataclass
-class _Shard:
-    """One parameter as ZeRO holds it on this rank."""
-
-    param: nn.Parameter
-    storage: Tensor  # [n · chunk, *rest]: padded so that the all-gather writes every chunk in place
-    n: int  # shards over dp_shard (1: not cut, every rank owns it whole)
-    index: int  # this rank's shard
-    start: int
-    stop: int
-    chunk: int
-    tensor: Tensor  # what the inner optimizer steps: the owned rows, a view into ``storage``
-    placements: tuple[Placement, ...]  # of the owned rows, as a DTensor on (dp_replicate, dp_shard, tp)
-
-    @property
-    def own_chunk(self) -> Tensor:
-        """This rank's chunk of the padded storage (the all-gather's input)."""
-        return self.storage[self.index * self.chunk : (self.index + 1) * self.chunk]
 
 
 class ZeroOptimizer(Optimizer):
@@ -116,19 +91,25 @@ class ZeroOptimizer(Optimizer):
         self.require_backward_grad_sync = True
         self._mesh = mesh
         self._state_mesh = mesh.device_mesh["dp_replicate", "dp_shard", "tp"]
-        self._shards: dict[Tensor, _Shard] = {}
+        self._shards: dict[Tensor, ParamShard] = {}
         for group in self.param_groups:
             for param in group["params"]:
                 if param in self._shards:
                     raise ValueError("A parameter appears twice in the optimizer's parameter groups.")
                 self._shards[param] = self._shard(param)
         self.inner = _rebuild(optimizer, [[self._shards[p].tensor for p in g["params"]] for g in self.param_groups])
+        trained = [s for s in self._shards.values() if s.param.requires_grad]
+        self._buckets = make_buckets([s for s in trained if s.n > 1])
+        self._bucket_of = {s.param: b for b in self._buckets for s in b.shards}
+        self._whole = [s for s in trained if s.n == 1]
+        self._end_of_backward_queued = False
+        self._pending: list[Callable[[], None]] = []
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._shards if p.requires_grad
         ]
 
     # ---------------------------------------------------------------- layout
-    def _shard(self, param: Tensor) -> _Shard:
+    def _shard(self, param: Tensor) -> ParamShard:
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -146,8 +127,8 @@ class ZeroOptimizer(Optimizer):
             dp_placement = _StridedShard(0, split_factor=self._mesh.layout.tp)
         else:
             dp_placement = Shard(0)
-        return _Shard(
-            param=param,  # type: ignore[arg-type]
+        return ParamShard(
+            param=param,
             storage=storage,
             n=n,
             index=index,
@@ -160,47 +141,60 @@ class ZeroOptimizer(Optimizer):
 
     # ---------------------------------------------------------------- gradients
     def _on_grad_ready(self, param: Tensor) -> None:
-        """Runs as each parameter's gradient is accumulated in a backward pass."""
+        """Runs as each parameter's gradient is accumulated in a backward pass: a bucket whose gradients are all
+        ready is reduced at once; the rest are reduced when backward ends."""
         match_param_layout(param)
-        if self.stage == 2:
-            self._reduce_scatter(self._shards[param])
-        elif self.require_backward_grad_sync:
-            self._all_reduce(param)
+        if self.stage == 1 and not self.require_backward_grad_sync:
+            return
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self._bucket_of.get(param)
+        if bucket is None:  # a 0-d parameter, not cut: reduced on its own
+            self._reduce_whole(self._shards[param])
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.shards):
+            self._reduce(bucket)
 
-    def _all_reduce(self, param: Tensor) -> None:
-        import torch.distributed as dist
+    def _end_of_backward(self) -> None:
+        """Reduces the buckets some of whose parameters got no gradient (they count as zeros), in bucket order,
+        and waits for every reduction."""
+        self._end_of_backward_queued = False
+        for bucket in self._buckets:
+            if bucket.ready and not bucket.launched:
+                self._reduce(bucket)
+            bucket.reset()
+        self._finish_pending()
 
-        if param.grad is not None:
-            dist.all_reduce(local_tensor(param.grad), op=dist.ReduceOp.AVG, group=self._mesh["dp"].get_group())
+    def _reduce(self, bucket: Bucket) -> None:
+        """Starts the bucket's reduction, after taking the result of the one before (one bucket in flight)."""
+        self._finish_pending()
+        bucket.launched = True
+        if self.stage == 1:
+            self._pending.append(all_reduce_bucket(bucket, self._mesh["dp"].get_group()))
+        else:
+            replicas = self._mesh["dp_replicate"].get_group() if self._mesh.layout.dp_replicate > 1 else None
+            self._pending.append(reduce_scatter_bucket(bucket, self._mesh["dp_shard"].get_group(), replicas))
+
+    def _finish_pending(self) -> None:
+        while self._pending:
+            self._pending.pop(0)()
 
     @torch.no_grad()
-    def _reduce_scatter(self, shard: _Shard) -> None:
-        """Stage 2: averages the gradient over the data-parallel group into this rank's rows, then frees it."""
+    def _reduce_whole(self, shard: ParamShard) -> None:
+        """A parameter that is not cut: its gradient averaged over the data-parallel group (stage 2 moves it into
+        the stepped tensor's ``.grad``, as for the cut ones)."""
         import torch.distributed as dist
 
         grad = shard.param.grad
         if grad is None:
             return
-        full = local_tensor(grad)
-        full = full.view(1) if full.dim() == 0 else full
-        if shard.n == 1:
-            dist.all_reduce(full, op=dist.ReduceOp.AVG, group=self._mesh["dp"].get_group())
-            piece = full.view_as(shard.tensor)
-        else:
-            if full.shape[0] != shard.storage.shape[0]:
-                padded = full.new_zeros(shard.storage.shape)
-                padded[: full.shape[0]] = full
-                full = padded
-            out = full.new_empty(shard.own_chunk.shape)
-            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=self._mesh["dp_shard"].get_group())
-            if self._mesh.layout.dp_replicate > 1:
-                dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self._mesh["dp_replicate"].get_group())
-            piece = out[: shard.stop - shard.start]
-        if shard.tensor.grad is None:
-            shard.tensor.grad = piece
-        else:
-            shard.tensor.grad += piece
-        shard.param.grad = None
+        dist.all_reduce(local_tensor(grad), op=dist.ReduceOp.AVG, group=self._mesh["dp"].get_group())
+        if self.stage == 2:
+            piece = local_tensor(grad)
+            shard.tensor.grad = piece if shard.tensor.grad is None else shard.tensor.grad + piece
+            shard.param.grad = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -213,11 +207,16 @@ class ZeroOptimizer(Optimizer):
             self.require_backward_grad_sync = previous
 
     def reduce_gradients(self) -> None:
-        """Stage 1: averages every gradient over the data-parallel group now, in parameter order. Used after a
+        """Stage 1: averages every gradient over the data-parallel group now, bucket by bucket. Used after a
         pipeline schedule, whose backward passes run with the reduction switched off."""
         for param in self._shards:
             match_param_layout(param)
-            self._all_reduce(param)
+        for bucket in self._buckets:
+            self._reduce(bucket)
+            bucket.reset()
+        self._finish_pending()
+        for shard in self._whole:
+            self._reduce_whole(shard)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -232,32 +231,15 @@ class ZeroOptimizer(Optimizer):
         if self.stage == 1:
             for shard in self._shards.values():
                 grad = shard.param.grad
-                shard.tensor.grad = None if grad is None else self._owned_rows(local_tensor(grad), shard)
+                shard.tensor.grad = None if grad is None else shard.owned_rows(local_tensor(grad))
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         self.inner.step()
         if self.stage == 1:
             for shard in self._shards.values():
                 shard.tensor.grad = None  # views into the gradients, which must not outlive them
-        self._all_gather()
+        all_gather_buckets(self._buckets, self._mesh["dp_shard"].get_group())
         return loss
-
-    @staticmethod
-    def _owned_rows(full: Tensor, shard: _Shard) -> Tensor:
-        """This rank's rows of a parameter-shaped local tensor (all of it when the parameter is not cut)."""
-        return full if shard.n == 1 else full[shard.start : shard.stop]
-
-    def _all_gather(self) -> None:
-        import torch.distributed as dist
-
-        group = self._mesh["dp_shard"].get_group()
-        works = [
-            dist.all_gather_into_tensor(shard.storage, shard.own_chunk, group=group, async_op=True)
-            for shard in self._shards.values()
-            if shard.n > 1
-        ]
-        for work in works:
-            work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' gradients and the owned rows' gradients."""
@@ -284,7 +266,7 @@ class ZeroOptimizer(Optimizer):
         ]
 
     # ---------------------------------------------------------------- state
-    def _as_dtensor(self, shard: _Shard, value: Tensor) -> Tensor:
+    def _as_dtensor(self, shard: ParamShard, value: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor
 
         shape = shard.param.shape
@@ -292,7 +274,7 @@ class ZeroOptimizer(Optimizer):
             value, self._state_mesh, shard.placements, run_check=False, shape=shape, stride=_contiguous(shape)
         )
 
-    def _is_sharded_state(self, shard: _Shard, value: Any) -> bool:
+    def _is_sharded_state(self, shard: ParamShard, value: Any) -> bool:
         return isinstance(value, Tensor) and value.shape == shard.tensor.shape and value.dim() > 0
 
     def _ensure_state(self) -> None:
@@ -383,7 +365,7 @@ class ZeroOptimizer(Optimizer):
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
 
-    def _local_piece(self, shard: _Shard, value: Any, current: Any) -> Any:
+    def _local_piece(self, shard: ParamShard, value: Any, current: Any) -> Any:
         """This rank's part of a saved state value, shaped like ``current``."""
         from torch.distributed.tensor import DTensor
 
@@ -394,7 +376,7 @@ class ZeroOptimizer(Optimizer):
                 value = value.redistribute(self._state_mesh, shard.placements)
             value = value.to_local()
         elif value.shape == shard.param.shape and current.shape != value.shape:
-            value = self._owned_rows(_tp_piece(shard.param, value), shard)
+            value = shard.owned_rows(_tp_piece(shard.param, value))
         if value.data_ptr() != current.data_ptr():
             current.copy_(value.view_as(current))
         return current

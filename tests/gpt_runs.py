@@ -106,6 +106,7 @@ def run_par3d(
     data: dict[str, Any] | None = None,
     global_seed: int = SEED,
     keep_module: bool = False,
+    extra_callbacks: list[L.Callback] | None = None,
     **trainer_overrides: Any,
 ) -> dict:
     """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields. ``keep_module`` adds the
@@ -115,7 +116,7 @@ def run_par3d(
     L.seed_everything(global_seed, verbose=False)
     par3d = Par3DStrategy(timeout_s=120, **strategy)
     recorder = LossRecorder()
-    callbacks: list[L.Callback] = [recorder]
+    callbacks: list[L.Callback] = [recorder, *(extra_callbacks or [])]
     if ckpt_dir is not None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1))
     overrides = dict(max_steps=max_steps, enable_checkpointing=ckpt_dir is not None, **trainer_overrides)

@@ -24,3 +24,12 @@ def test_bubble_benchmark_runs(pool4):
     assert 0.0 < got["idle"] < 1.0 and not math.isnan(got["idle"])
     assert got["inflight"] == 4  # GPipe keeps every microbatch in flight
     assert got["peak_mib"] > 0
+
+
+def test_zero_benchmark_runs(pool2):
+    from benchmarks.bench_zero import predicted, zero_run
+
+    got = pool2.run(zero_run, stage=2, devices=2, steps=3, warmup=1)[0]
+    assert len(got["times"]) == 2
+    formula, estimate = predicted(2, 2, got["shapes"])
+    assert got["state"].total == formula == estimate

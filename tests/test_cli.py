@@ -57,3 +57,19 @@ def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging():
     out = train("strategy.tp=4", "model.n_head=6", "model.n_embd=48", "logger=none", "callbacks=none", timeout=180)
     assert out.returncode != 0
     assert "tp=4 does not divide the head count model.transformer.h.0.attn.n_head=6" in out.stderr
+
+
+def test_estimate_mode_prints_the_per_rank_table_without_launching():
+    """`mode=estimate` answers in the launching process: no rank is started (the demo's layout needs 8)."""
+    out = train("experiment=demo", "mode=estimate", "strategy.activation_checkpointing=full", timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "par3d memory estimate: pp=2 × dp_replicate=1 × dp_shard=2 × tp=2, ZeRO-3, 32-true" in out.stdout
+    assert "| pp rank | stages | ranks | params | grads | optimizer | activations | in flight |" in out.stdout
+    assert "| 0 | 0 | 0–3 |" in out.stdout and "| 1 | 1 | 4–7 |" in out.stdout
+    assert "Initializing distributed" not in out.stdout + out.stderr
+
+
+def test_unknown_mode_is_a_clear_error():
+    out = train("mode=profile", "logger=none", "callbacks=none", timeout=60)
+    assert out.returncode != 0
+    assert "mode='profile' is not a mode. Allowed: 'train', 'estimate'." in out.stderr

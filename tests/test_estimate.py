@@ -44,7 +44,7 @@ class MemoryProbe(L.Callback):
             self.state = model_state_bytes(pl_module, trainer.optimizers)
 
 
-def measure_job(strategy: dict, devices: int) -> dict:
+def measure_job(strategy: dict, devices: int, precision: str = "32-true") -> dict:
     from examples.data import ShakespeareDataModule
     from lightning_par3d import Par3DStrategy
     from tests.gpt_runs import trainer_kwargs
@@ -52,7 +52,8 @@ def measure_job(strategy: dict, devices: int) -> dict:
     L.seed_everything(0, verbose=False)
     probe = MemoryProbe()
     par3d = Par3DStrategy(timeout_s=120, **strategy)
-    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=[probe], **trainer_kwargs(max_steps=3))
+    kwargs = trainer_kwargs(max_steps=3, precision=precision)
+    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=[probe], **kwargs)
     data = ShakespeareDataModule(batch_size=GLOBAL_BATCH // par3d.layout.dp, **DATA)
     trainer.fit(GPTModule(**DEEP), data)
     return {
@@ -64,6 +65,8 @@ def measure_job(strategy: dict, devices: int) -> dict:
 
 LAYOUTS = [
     pytest.param(dict(dp_shard=2, tp=2), 4, id="zero3-dp2xtp2"),
+    pytest.param(dict(dp_shard=2, tp=2, precision="bf16-mixed"), 4, id="zero3-dp2xtp2-bf16-mixed"),
+    pytest.param(dict(pp=2, tp=2, precision="bf16-true"), 4, id="pp2xtp2-bf16-true"),
     pytest.param(dict(dp_shard=2, tp=2, zero_stage=1), 4, id="zero1-dp2xtp2"),
     pytest.param(dict(pp=2, tp=2, microbatches=4), 4, id="pp2xtp2-1f1b"),
     pytest.param(dict(pp=2, dp_shard=2, zero_stage=1, microbatches=2), 4, id="pp2xdp2-zero1"),
@@ -80,10 +83,13 @@ LAYOUTS = [
 @pytest.mark.parametrize(("strategy", "devices"), LAYOUTS)
 def test_estimate_matches_measurement(strategy, devices, request):
     pool = request.getfixturevalue(f"pool{devices}")
-    measured = pool.run(measure_job, strategy=strategy, devices=devices)
+    strategy = dict(strategy)
+    precision = strategy.pop("precision", "32-true")
+    measured = pool.run(measure_job, strategy=strategy, devices=devices, precision=precision)
     config = Par3DConfig(**strategy)
     dp = devices // (config.pp * config.tp)
-    estimate = estimate_memory(GPTModule(**DEEP), config, devices, (GLOBAL_BATCH // dp, MODEL["block_size"]))
+    batch = (GLOBAL_BATCH // dp, MODEL["block_size"])
+    estimate = estimate_memory(GPTModule(**DEEP), config, devices, batch, precision=precision)
     for rank, got in enumerate(measured):
         row = estimate.rows[got["pp_rank"]]
         for kind in ("params", "grads", "optimizer"):

@@ -7,6 +7,7 @@ import functools
 
 import lightning as L
 import pytest
+import torch
 
 from tests.gpt_runs import run_par3d, run_reference
 
@@ -67,7 +68,9 @@ def test_bf16_mixed_trains_close_to_fp32(pool2, strategy, gather):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("strategy", [dict(zero_stage=3), dict(zero_stage=1)], ids=["zero3", "zero1"])
+@pytest.mark.parametrize(
+    "strategy", [dict(zero_stage=3), dict(zero_stage=1), dict(pp=2)], ids=["zero3", "zero1", "pp2"]
+)
 def test_bf16_true_trains_close_to_fp32(pool2, strategy):
     got = pool2.run(bf16_job, strategy=strategy, devices=2, precision="bf16-true")[0]
     assert got["weights"] == ["torch.bfloat16"]  # no fp32 copy anywhere
@@ -119,6 +122,65 @@ def test_bf16_compression_on_cpu_is_refused_before_launch():
 
 def test_fp16_mixed_on_cpu_becomes_bf16_mixed():
     """Lightning turns precision='16-mixed' on CPU into bf16-mixed (with a warning); par3d serves that."""
+    import lightning_par3d  # noqa: F401  (registers "par3d")
+
     with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="par3d", precision="16-mixed", logger=False)
     assert trainer.strategy.precision == "bf16-mixed"
+
+
+# ---------------------------------------------------------------- fp16 with loss scaling
+
+
+class InfOnRankOne(L.Callback):
+    """Puts an inf into one gradient on rank 1 only, at the first step: a sharded scaler must still make every rank
+    skip that step together."""
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: object) -> None:
+        if trainer.global_step == 0 and trainer.global_rank == 1:
+            from lightning_par3d.tensor_parallel import local_tensor
+
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            local_tensor(grad).view(-1)[0] = float("inf")
+
+
+def fp16_job(strategy: dict, inject_inf: bool) -> dict:
+    """16-mixed on CPU through an explicit plugin (Lightning's connector would turn the flag into bf16 there)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_par3d.precision import GlobalGradScaler
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    callbacks = [InfOnRankOne()] if inject_inf else []
+    result = run_par3d(strategy=strategy, devices=2, plugins=[plugin], keep_module=True, extra_callbacks=callbacks)
+    module = result.pop("module")
+    scaler = module.trainer.precision_plugin.scaler
+    result["scaler"] = type(scaler).__name__
+    result["scale"] = scaler.get_scale()
+    steps = {int(state["step"]) for state in module.trainer.optimizers[0].state.values()}
+    assert len(steps) == 1
+    result["optimizer_steps"] = steps.pop()  # the steps this rank's optimizer really took
+    assert isinstance(scaler, GlobalGradScaler)
+    return result
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", [dict(zero_stage=3), dict(tp=2)], ids=["zero3", "tp2"])
+def test_fp16_mixed_trains_close_to_fp32(pool2, strategy):
+    got = pool2.run(fp16_job, strategy=strategy, inject_inf=False)[0]
+    assert got["scaler"] == "GlobalGradScaler"
+    relative = _relative(got["losses"], reference()["losses"])
+    # fp16 keeps 11 significant bits (unit roundoff 2^-12 ≈ 2.4e-4), 8× finer than bf16: half bf16-mixed's bound.
+    assert max(relative) <= BF16_MIXED_RTOL / 2, relative
+
+
+@pytest.mark.dist
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(pool2):
+    """An inf in rank 1's gradient shard only: both ranks skip that step and halve their scale, so the two halves of
+    the sharded model stay in step (a per-rank scaler would have stepped rank 0's half alone)."""
+    strategy = dict(zero_stage=3)
+    clean = pool2.run(fp16_job, strategy=strategy, inject_inf=False)
+    skipped = pool2.run(fp16_job, strategy=strategy, inject_inf=True)
+    assert [r["optimizer_steps"] for r in clean] == [6, 6]
+    assert [r["optimizer_steps"] for r in skipped] == [5, 5]
+    assert skipped[0]["scale"] == skipped[1]["scale"] == clean[0]["scale"] / 2

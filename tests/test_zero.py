@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_par3d import Par3DConfig, resolve_layout
-from lightning_par3d.zero import shard_rows
+from lightning_par3d.zero_buckets import shard_rows
 from lightning_par3d.zero_formula import model_state_formula, tensor_state_elements
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_par3d, run_reference
