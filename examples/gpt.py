@@ -160,6 +160,7 @@ class GPTModule(L.LightningModule):
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -197,6 +198,11 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps
         )
+        if hp.warmup_steps == 0:
+            return optimizer
+        # Linear warm-up of the learning rate over the first `warmup_steps` optimizer steps.
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}

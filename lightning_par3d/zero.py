@@ -27,6 +27,7 @@ to it keep working; the hyper-parameters are copied to the inner optimizer befor
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -448,7 +449,23 @@ def wrap_optimizers(optimizers: list[Optimizer], schedulers: Iterable[Any], stag
     for scheduler in schedulers:
         if id(getattr(scheduler, "optimizer", None)) in by_id:
             scheduler.optimizer = by_id[id(scheduler.optimizer)]
+            _mark_step_tracked(scheduler.optimizer)
     return wrapped
+
+
+def _mark_step_tracked(zero: ZeroOptimizer) -> None:
+    """Tells torch's LR schedulers that ``zero.step`` records its calls (it sets ``_opt_called``, as the wrapper a
+    scheduler puts on its optimizer's ``step`` does), so that they do not warn that ``step`` was replaced."""
+    step = zero.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    zero.step = tracked  # type: ignore[method-assign]
 
 
 def zero_optimizers(optimizers: Iterable[Any]) -> list[ZeroOptimizer]:

@@ -164,7 +164,8 @@ def reduce_scatter_bucket(bucket: Bucket, shard_group: Any, replicate_group: Any
         shard.param.grad = None
     del grads
     out = rank_major.new_empty(bucket.row)
-    work = dist.reduce_scatter_tensor(out, rank_major.view(-1), op=dist.ReduceOp.AVG, group=shard_group, async_op=True)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.12
+    work = reduce_scatter(out, rank_major.view(-1), op=dist.ReduceOp.AVG, group=shard_group, async_op=True)
 
     def finish() -> None:
         work.wait()
@@ -192,11 +193,12 @@ def all_gather_buckets(buckets: Sequence[Bucket], group: Any) -> None:
     """After the step: every rank's owned chunks, bucket by bucket, into every rank's storage."""
     import torch.distributed as dist
 
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
     pending = []
     for bucket in buckets:
         mine = torch.cat([s.own_chunk.reshape(-1) for s in bucket.shards])
         everyone = mine.new_empty(bucket.shards[0].n, bucket.row)
-        work = dist.all_gather_into_tensor(everyone.view(-1), mine, group=group, async_op=True)
+        work = all_gather(everyone.view(-1), mine, group=group, async_op=True)
         pending.append((bucket, everyone, work))
     for bucket, everyone, work in pending:
         work.wait()

@@ -149,6 +149,30 @@ def test_parity_zero_with_clipping_and_accumulation(pool4, stage):
     assert_parity(got, reference(**overrides))
 
 
+def run_with_warnings(**kwargs: Any) -> dict:
+    """:func:`run_par3d`, with the warnings it raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_par3d(**kwargs)
+    return {**result, "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parity_zero_with_an_lr_scheduler(pool2, stage):
+    """A step-wise LambdaLR warm-up bound to the module's AdamW: the ZeRO wrapper shares its parameter groups, so
+    every step uses the scheduled learning rate, and the scheduler sees the wrapper's steps (no "lr_scheduler.step()
+    before optimizer.step()" warning)."""
+    model = dict(warmup_steps=4)
+    ref = run_reference(model=model)
+    got = pool2.run(run_with_warnings, strategy=dict(zero_stage=stage), devices=2, model=model)[0]
+    assert_parity(got, ref)
+    assert ref["losses"] != reference()["losses"]  # the warm-up really changed the trajectory
+    assert not [w for w in got["warnings"] if "lr_scheduler.step()" in w], got["warnings"]
+
+
 @pytest.mark.dist
 def test_parity_zero1_under_pipelining(pool4):
     """pp=2 × dp_shard=2 at ZeRO-1: gradients stay local through the schedule and are all-reduced once."""
