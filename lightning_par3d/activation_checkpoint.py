@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par3d.memory import note_saved
 from lightning_par3d.patterns import find_modules, repeated_members
 
 AC_MODES = ("none", "full", "selective", "op")
@@ -54,7 +55,12 @@ def _save_list() -> set[Any]:
 def _op_policy(save: set[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in save:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:  # kept until backward in checkpointing's own cache: let memory meters see it
+        output = getattr(ctx, "op_output", None)
+        note_saved(output if isinstance(output, (tuple, list)) else [output])
+    return CheckpointPolicy.MUST_SAVE
 
 
 def _op_context() -> Any:

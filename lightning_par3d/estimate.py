@@ -256,7 +256,10 @@ def _build(module: nn.Module | Callable[[], nn.Module], precision: str, gathered
     try:
         with torch.device("cpu"):
             if isinstance(module, nn.Module):
-                built = copy.deepcopy(module)
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():  # a plain copy of the (unconfigured) module and whatever it holds
+                    built = copy.deepcopy(module)
                 configure = getattr(built, "configure_model", None)
                 if callable(configure):
                     configure()

@@ -85,19 +85,21 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[Any]) -> ModelStat
 
 class SavedTensorMeter:
     """Measures activation memory: the storages autograd keeps saved for backward, from the moment a tensor is
-    saved until autograd lets it go, with the peak of their live total.
+    saved until its storage is freed, with the peak of their live total.
 
     Use it as a context manager around forward and backward (``torch.autograd.graph.saved_tensors_hooks``).
     Parameters (and views of them) are not activations and are not counted, nor are meta tensors; a storage saved
-    several times counts once. Tensors that activation checkpointing recomputes during backward are not seen (they
-    are saved under checkpointing's own hooks), so under checkpointing this is the memory held between forward and
-    backward.
+    several times counts once, and stops counting when torch frees it (a finalizer on the storage object, which
+    torch keeps unique per storage). Tensors that selective activation checkpointing (``op`` mode) caches for
+    backward are reported through :func:`note_saved`. Tensors that full checkpointing recomputes during backward
+    are not seen (they are saved under checkpointing's own hooks), so under checkpointing this is the memory held
+    between forward and backward.
     """
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
-        self._refs: dict[int, int] = {}  # storage key → saved tensors alive that use it
+        self._counted: set[int] = set()
         self._hooks: Any = None
 
     def reset_peak(self) -> None:
@@ -106,29 +108,46 @@ class SavedTensorMeter:
     def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
 
-    def _pack(self, t: Tensor) -> Any:
+    def _pack(self, t: Tensor) -> Tensor:
+        self.count(t)
+        return t
+
+    def count(self, t: Tensor) -> None:
+        """Counts ``t``'s storage from now until torch frees it (unless it is a parameter's, or meta)."""
         if _is_parameter(t) or local_tensor(t).is_meta:  # meta: torch's pipeline shape inference holds no memory
-            return t
-        key = storage_key(t)
-        if key not in self._refs:
-            self._refs[key] = 0
-            self.live += storage_bytes(t)
-            self.peak = max(self.peak, self.live)
-        self._refs[key] += 1
-        holder = _Saved(t)
-        weakref.finalize(holder, self._release, key, storage_bytes(t))
-        return holder
+            return
+        storage = local_tensor(t).untyped_storage()
+        key = id(storage)
+        if key in self._counted:
+            return
+        nbytes = int(storage.nbytes())
+        self._counted.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            del self._refs[key]
-            self.live -= nbytes
+        self._counted.discard(key)
+        self.live -= nbytes
+
+
+_ACTIVE: list[SavedTensorMeter] = []
+
+
+def note_saved(tensors: Iterable[Any]) -> None:
+    """Counts tensors kept for backward outside autograd's saved tensors (selective checkpointing's cache) in every
+    active :class:`SavedTensorMeter`."""
+    for meter in _ACTIVE:
+        for t in tensors:
+            if isinstance(t, Tensor):
+                meter.count(t)
 
 
 def _is_parameter(t: Tensor) -> bool:
@@ -137,12 +156,5 @@ def _is_parameter(t: Tensor) -> bool:
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def _unpack(packed: Any) -> Tensor:
-    return packed.tensor if isinstance(packed, _Saved) else packed
-
-
-class _Saved:
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
+def _unpack(packed: Tensor) -> Tensor:
+    return packed

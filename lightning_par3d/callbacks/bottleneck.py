@@ -1,0 +1,338 @@
+"""``BottleneckReport``: where each rank's step time goes, measured with ``torch.profiler`` over a few steps.
+
+::
+
+    trainer = L.Trainer(strategy="par3d", callbacks=[BottleneckReport(skip_first=5, steps=3)])
+
+After ``skip_first`` training steps the profiler records ``steps`` steps on every rank. The callback marks each step
+and its phases (and, under pipelining, every stage's forward and backward call), and
+:mod:`~lightning_par3d.callbacks.bottleneck_analysis` splits each step into dataloader wait, forward, backward,
+optimizer, tensor-parallel and data-parallel collectives, and pipeline send/recv and idle time. At the end of fit,
+rank 0 gathers every rank's figures and writes to ``dirpath`` (default: the logger's directory, else
+``trainer.default_root_dir``):
+
+* ``bottleneck_report.md``: findings ranked by severity, each with a suggestion; tokens/s and MFU; every rank's
+  buckets;
+* ``trace_rank{r}.json``: each rank's Chrome trace (open it in Perfetto or ``chrome://tracing``);
+* ``pipeline_timeline.png``: the last sampled step, one row per rank, every block as measured;
+
+and prints a short version. Writing happens after training, so it does not slow the run down.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par3d.callbacks.bottleneck_analysis import (
+    BACKWARD,
+    FORWARD,
+    OPTIMIZER,
+    STAGE_PREFIX,
+    STEP,
+    Event,
+    analyze_steps,
+    mean_step,
+)
+from lightning_par3d.callbacks.bottleneck_findings import (
+    RankSummary,
+    ReportContext,
+    diagnose,
+    render_markdown,
+    short_summary,
+)
+from lightning_par3d.callbacks.timeline import Block, plot_timeline
+
+
+class BottleneckReport(L.Callback):
+    """Measures, never models, where each rank's step time goes, and says what to change.
+
+    Args:
+        skip_first: training steps to let pass before sampling (warm-up: first-step costs, caches). The last of
+            them is recorded too, as the start of the first sampled step's cycle.
+        steps: steps to record with ``torch.profiler``.
+        dirpath: where to write the report, traces and timeline; default: the logger's directory, else
+            ``trainer.default_root_dir``.
+        verbose: print the short report at the end of fit (rank 0).
+    """
+
+    def __init__(self, skip_first: int = 5, steps: int = 3, dirpath: str | Path | None = None, verbose: bool = True):
+        if skip_first < 2 or steps < 1:
+            raise ValueError(
+                f"BottleneckReport needs skip_first >= 2 (the profiler starts two steps before the first sample, whose "
+                f"cycle starts where the step before it ends) and steps >= 1; got skip_first={skip_first}, "
+                f"steps={steps}."
+            )
+        self.skip_first = skip_first
+        self.steps = steps
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.verbose = verbose
+        self.summaries: list[RankSummary] = []
+        self.findings: list[Any] = []
+        self.report_path: Path | None = None
+        self.timeline_path: Path | None = None
+        self._profiler: Any = None
+        self._ranges: list[Any] = []
+        self._unconfigured: Any = None
+        self._context_extra: dict[str, Any] = {}
+        self._done = False
+        self._seen = 0
+        self._sampled = 0
+
+    # ---------------------------------------------------------------- sampling
+    @property
+    def _sampling(self) -> bool:
+        return self._profiler is not None and not self._done
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero:
+            # For measure_flops: a copy before configure_model (and before par3d shards it), to build on meta.
+            mesh, pl_module._device_mesh = pl_module._device_mesh, None
+            try:
+                self._unconfigured = copy.deepcopy(pl_module)
+            except Exception:  # the FLOPs figure is optional; a module that cannot be copied just lacks it
+                self._unconfigured = None
+            finally:
+                pl_module._device_mesh = mesh
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runner = getattr(pl_module, "_par3d_pipeline", None)
+        if runner is not None:
+            schedule = runner.schedule
+            for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+                _mark_stage_calls(stage)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self._sampling:
+            if "tokens" not in self._context_extra:
+                self._context_extra.update(_batch_size(batch))
+            self._open(STEP)
+            self._open(FORWARD)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._sampling and self._ranges:
+            self._close()
+            self._open(BACKWARD)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._sampling and self._ranges:
+            self._close()
+            self._open(OPTIMIZER)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._sampling and self._ranges:
+            while self._ranges:
+                self._close()
+            self._sampled += 1
+            if self._sampled == self.steps + 1:  # the first marked step opens the window (see analyze_steps)
+                self._profiler.stop()
+                self._done = True
+        self._seen += 1
+        if self._profiler is None and self._seen == self.skip_first - 1:
+            self._start_profiler()  # from here on: the next batch's data fetch, then the sampled steps
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._profiler = profile(activities=activities)
+        self._profiler.start()
+
+    def _open(self, name: str) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # CPU ranges then bound the device work they launched
+        marker = torch.profiler.record_function(name)
+        marker.__enter__()
+        self._ranges.append(marker)
+
+    def _close(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._ranges.pop().__exit__(None, None, None)
+
+    # ---------------------------------------------------------------- report
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._profiler is None:
+            return
+        if not self._done:  # training ended inside the sampled window
+            while self._ranges:
+                self._close()
+            self._profiler.stop()
+            self._done = True
+        directory = self._directory(trainer)
+        events = _events(self._profiler)
+        strategy = trainer.strategy
+        pp = getattr(getattr(strategy, "layout", None), "pp", 1) > 1
+        steps = analyze_steps(events, pp)
+        rank = trainer.global_rank
+        self._profiler.export_chrome_trace(str(directory / f"trace_rank{rank}.json"))
+        mine = {
+            "rank": rank,
+            "pp_rank": _pp_rank(strategy, rank),
+            "step": mean_step(steps),
+            "blocks": _last_step_blocks(events, pp),
+        }
+        everyone = _gather(mine)
+        if everyone is None:
+            return
+        self.summaries = [RankSummary(r["rank"], r["pp_rank"], r["step"]) for r in everyone]
+        context = self._context(trainer, len(steps))
+        self.findings = diagnose(self.summaries, context)
+        self.report_path = directory / "bottleneck_report.md"
+        self.report_path.write_text(render_markdown(self.summaries, self.findings, context))
+        rows = [(f"rank {r['rank']} (pp {r['pp_rank']})", r["blocks"]) for r in everyone]
+        title = _title(context)
+        self.timeline_path = plot_timeline(rows, directory / "pipeline_timeline.png", title)
+        if self.verbose:
+            rank_zero_info(
+                short_summary(self.summaries, self.findings, context) + f"\n  full report: {self.report_path}"
+            )
+
+    def _directory(self, trainer: L.Trainer) -> Path:
+        return output_directory(trainer, self.dirpath)
+
+    def _context(self, trainer: L.Trainer, sampled: int) -> ReportContext:
+        strategy = trainer.strategy
+        layout = getattr(strategy, "layout", None)
+        config = getattr(strategy, "config", None)
+        loader = trainer.train_dataloader
+        tokens = self._context_extra.get("tokens")
+        flops, peak = self._flops(trainer, layout)
+        return ReportContext(
+            layout=layout,
+            schedule=getattr(config, "pipeline_schedule", "1f1b"),
+            microbatches=getattr(config, "microbatches", 1),
+            virtual_stages=getattr(config, "virtual_stages", 1),
+            num_workers=getattr(loader, "num_workers", None),
+            devices_per_node=max(trainer.num_devices, 1),
+            sampled_steps=sampled,
+            tokens_per_step=tokens * layout.dp if tokens and layout is not None else None,
+            flops_per_step=flops,
+            peak_flops=peak,
+        )
+
+    def _flops(self, trainer: L.Trainer, layout: Any) -> tuple[int | None, int | None]:
+        """Model FLOPs of one global batch (forward and backward, measured by ``measure_flops`` on a meta copy),
+        and the device's peak FLOPs from Lightning's table (None where it has none, as for CPUs)."""
+        from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
+
+        shape = self._context_extra.get("input_shape")
+        if self._unconfigured is None or shape is None or layout is None:
+            return None, None
+        try:
+            with torch.device("meta"):
+                model = self._unconfigured
+                model.configure_model()
+                x = torch.zeros((shape[0] * layout.dp, *shape[1:]), dtype=self._context_extra["input_dtype"])
+                flops = measure_flops(model, lambda: model(x), lambda y: y.sum())
+        except Exception:  # a model whose forward does not take the batch's first tensor: no FLOPs figure
+            return None, None
+        dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else torch.float32
+        return flops, get_available_flops(trainer.strategy.root_device, dtype)
+
+
+def output_directory(trainer: L.Trainer, dirpath: Path | None) -> Path:
+    """``dirpath``, else the logger's directory, else ``trainer.default_root_dir``: rank 0's choice on every rank."""
+    if dirpath is not None:
+        directory = dirpath
+    elif trainer.logger is not None and trainer.logger.log_dir is not None:
+        directory = Path(trainer.logger.log_dir)
+    else:
+        directory = Path(trainer.default_root_dir)
+    directory = Path(trainer.strategy.broadcast(str(directory)))
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _batch_size(batch: Any) -> dict[str, Any]:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if not isinstance(first, torch.Tensor):
+        return {"tokens": None}
+    tokens = first.numel() if not first.is_floating_point() else first.shape[0]
+    return {"tokens": tokens, "input_shape": tuple(first.shape), "input_dtype": first.dtype}
+
+
+def _mark_stage_calls(stage: Any) -> None:
+    """Wraps a pipeline stage's compute calls in ``record_function`` ranges named by kind, stage and microbatch."""
+    if getattr(stage, "_par3d_marked", False):
+        return
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    @functools.wraps(forward)
+    def marked_forward(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(f"{STAGE_PREFIX}F s{stage.stage_index} mb{chunk}"):
+            return forward(chunk, *args, **kwargs)
+
+    @functools.wraps(backward)
+    def marked_backward(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        with torch.profiler.record_function(f"{STAGE_PREFIX}{'B' if full else 'I'} s{stage.stage_index} mb{chunk}"):
+            return backward(chunk, *args, **kwargs)
+
+    @functools.wraps(weight)
+    def marked_weight(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(f"{STAGE_PREFIX}W s{stage.stage_index} mb{chunk}"):
+            return weight(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = marked_forward, marked_backward
+    stage.backward_weight_one_chunk = marked_weight
+    stage._par3d_marked = True
+
+
+def _events(profiler: Any) -> list[Event]:
+    """The profiler's events with absolute times (µs since the epoch), comparable across ranks on one clock."""
+    base = profiler.profiler.kineto_results.trace_start_ns() / 1e3
+    out = []
+    for e in profiler.events():
+        device = e.device_type != torch.autograd.DeviceType.CPU
+        out.append(Event(e.name, base + e.time_range.start, base + e.time_range.end, int(e.thread), device))
+    return out
+
+
+def _last_step_blocks(events: list[Event], pp: bool) -> list[Block]:
+    """The blocks of the last sampled step for the timeline: stage compute calls under pp, phases otherwise, and
+    the exposed collectives and dataloader calls around them."""
+    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.start)
+    if not steps:
+        return []
+    step = steps[-1]
+    inside = [e for e in events if e.start >= step.start and e.end <= step.end and not e.device]
+    blocks = []
+    for e in inside:
+        if e.name.startswith(STAGE_PREFIX):
+            kind, _, mb = e.name[len(STAGE_PREFIX) :].split(" ")
+            blocks.append(Block(kind, f"{kind}{mb.removeprefix('mb')}", e.start, e.end))
+        elif not pp and e.name in (FORWARD, BACKWARD, OPTIMIZER):
+            blocks.append(Block(e.name.split("/")[1], "", e.start, e.end))
+        elif e.name == OPTIMIZER:
+            blocks.append(Block("optimizer", "", e.start, e.end))
+    return blocks
+
+
+def _pp_rank(strategy: Any, rank: int) -> int:
+    mesh = getattr(strategy, "_mesh", None)
+    return mesh.coords(rank).pp if mesh is not None else 0
+
+
+def _gather(mine: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's figures on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, everyone if dist.get_rank() == 0 else None, dst=0)
+    return sorted(everyone, key=lambda r: r["rank"]) if dist.get_rank() == 0 else None
+
+
+def _title(context: ReportContext) -> str:
+    layout = context.layout
+    if layout is not None and layout.pp > 1:
+        return f"{context.schedule}, pp={layout.pp}, {context.microbatches} microbatches: last sampled step"
+    return f"{layout}: last sampled step"

@@ -1,0 +1,191 @@
+"""From measured buckets to findings: severity, a concrete suggestion each, the Markdown report and its short form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_par3d.callbacks.bottleneck_analysis import BUCKETS, COMPUTE_BUCKETS, StepTimes
+
+SEVERITIES = (("critical", 0.40), ("high", 0.25), ("medium", 0.10), ("low", 0.0))
+"""A bucket's severity by its share of the step: the first threshold it reaches."""
+
+LABELS = {
+    "forward": "forward compute",
+    "backward": "backward compute",
+    "optimizer": "optimizer step",
+    "tp_comm": "tensor-parallel collectives",
+    "dp_comm": "data-parallel collectives",
+    "pipeline": "pipeline send/recv and idle (bubble)",
+    "dataloader": "dataloader wait",
+    "observer": "par3d's own measuring",
+}
+
+
+@dataclass
+class RankSummary:
+    """One rank's mean step over the sampled steps."""
+
+    rank: int
+    pp_rank: int
+    step: StepTimes
+
+
+@dataclass
+class ReportContext:
+    """What the suggestions need to know about the run."""
+
+    layout: Any
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    num_workers: int | None = None
+    devices_per_node: int = 1
+    sampled_steps: int = 0
+    tokens_per_step: int | None = None
+    flops_per_step: int | None = None
+    peak_flops: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finding:
+    bucket: str
+    fraction: float
+    worst_fraction: float
+    severity: str
+    suggestion: str
+
+    def line(self) -> str:
+        return f"[{self.severity}] {self.suggestion}"
+
+
+def severity(fraction: float) -> str:
+    return next(name for name, threshold in SEVERITIES if fraction >= threshold)
+
+
+def fractions(summaries: list[RankSummary]) -> dict[str, tuple[float, float]]:
+    """Each bucket's share of the step: (mean over ranks, worst rank)."""
+    out = {}
+    for bucket in BUCKETS:
+        shares = [s.step.buckets[bucket] / s.step.cycle_us for s in summaries if s.step.cycle_us > 0]
+        out[bucket] = (sum(shares) / len(shares), max(shares)) if shares else (0.0, 0.0)
+    return out
+
+
+def diagnose(summaries: list[RankSummary], context: ReportContext) -> list[Finding]:
+    """Every non-compute bucket as a finding, worst first."""
+    findings = []
+    for bucket, (mean, worst) in fractions(summaries).items():
+        if bucket in COMPUTE_BUCKETS:
+            continue
+        findings.append(Finding(bucket, mean, worst, severity(mean), suggest(bucket, mean, context)))
+    return sorted(findings, key=lambda f: f.fraction, reverse=True)
+
+
+def suggest(bucket: str, fraction: float, context: ReportContext) -> str:
+    """A concrete suggestion for ``bucket`` at this share of the step."""
+    layout, share = context.layout, f"{fraction:.0%} of step"
+    if bucket == "dataloader":
+        workers = "" if context.num_workers is None else f" (now {context.num_workers})"
+        return f"dataloader wait {share}: raise num_workers{workers}, and use pin_memory=True on GPUs."
+    if bucket == "pipeline":
+        m, pp = context.microbatches, layout.pp
+        if context.schedule in ("gpipe", "1f1b"):
+            better = f"raise microbatches to {max(4 * pp, 2 * m)} or use interleaved_1f1b (virtual_stages=2)"
+        else:
+            better = f"raise microbatches to {max(4 * pp, 2 * m)} or use zbv_zero_bubble"
+        return f"pipeline idle {share} at microbatches={m} ({context.schedule}, pp={pp}): {better}."
+    if bucket == "tp_comm":
+        node = f", and keep tp within a node ({context.devices_per_node} devices per node)"
+        return f"tensor-parallel all-reduce/all-gather {share}: lower tp (now {layout.tp}){node}."
+    if bucket == "dp_comm":
+        if layout.zero == 3:
+            fix = (
+                "use zero_stage=2 or 1 (no per-block all-gathers), replicate across nodes (dp_replicate), "
+                "or raise the per-rank batch"
+            )
+        elif layout.zero == 0:
+            fix = "raise the per-rank batch or accumulate_grad_batches, or compress gradients (grad_compression)"
+        else:
+            fix = "raise the per-rank batch or accumulate_grad_batches"
+        return f"data-parallel collectives {share} (ZeRO-{layout.zero}, dp={layout.dp}): {fix}."
+    if bucket == "optimizer":
+        return f"optimizer step {share}: use a foreach/fused optimizer, or shard it (zero_stage=1)."
+    if bucket == "observer":
+        return f"par3d's own measuring (MemoryStats) {share}: log less often (MemoryStats(log_every_n_steps=...))."
+    return f"{LABELS.get(bucket, bucket)} {share}."
+
+
+def throughput(summaries: list[RankSummary], context: ReportContext) -> tuple[float | None, float | None]:
+    """(tokens per second, model FLOPs utilization) from the mean step time."""
+    cycle_s = sum(s.step.cycle_us for s in summaries) / max(len(summaries), 1) / 1e6
+    if cycle_s <= 0:
+        return None, None
+    tokens = context.tokens_per_step / cycle_s if context.tokens_per_step else None
+    mfu = None
+    if context.flops_per_step and context.peak_flops:
+        mfu = context.flops_per_step / cycle_s / (context.peak_flops * context.layout.world_size)
+    return tokens, mfu
+
+
+def render_markdown(summaries: list[RankSummary], findings: list[Finding], context: ReportContext) -> str:
+    """The full report: findings, throughput, and every rank's buckets."""
+    layout = context.layout
+    tokens, mfu = throughput(summaries, context)
+    lines = [
+        "# par3d bottleneck report",
+        "",
+        f"Layout {layout}, ZeRO-{layout.zero}"
+        + (f", {context.schedule} with {context.microbatches} microbatches" if layout.pp > 1 else "")
+        + f"; measured with torch.profiler over {context.sampled_steps} steps on every rank.",
+        "",
+        "## Findings, worst first",
+        "",
+        "| severity | bucket | share of step (mean) | worst rank | suggestion |",
+        "|---|---|---:|---:|---|",
+    ]
+    lines += [
+        f"| {f.severity} | {LABELS[f.bucket]} | {f.fraction:.1%} | {f.worst_fraction:.1%} | {f.suggestion} |"
+        for f in findings
+    ]
+    lines += ["", "## Throughput", ""]
+    lines.append(f"- tokens/s: {tokens:,.0f}" if tokens is not None else "- tokens/s: unknown (no token count)")
+    if mfu is not None:
+        lines.append(f"- MFU: {mfu:.1%} (model FLOPs {context.flops_per_step:.3g} per step)")
+    else:
+        lines.append("- MFU: n/a (no peak-FLOPs figure for this device)")
+    lines += ["", "## Per rank (ms per step)", ""]
+    header = "| rank | pp rank | step | " + " | ".join(LABELS[b] for b in BUCKETS) + " | accounted |"
+    lines += [header, "|" + "---:|" * (len(BUCKETS) + 4)]
+    for s in summaries:
+        cells = " | ".join(f"{s.step.buckets[b] / 1e3:.2f}" for b in BUCKETS)
+        accounted = s.step.accounted_us / s.step.cycle_us if s.step.cycle_us else 0.0
+        lines.append(f"| {s.rank} | {s.pp_rank} | {s.step.cycle_us / 1e3:.2f} | {cells} | {accounted:.0%} |")
+    kinds = _kinds(summaries)
+    if kinds:
+        lines += ["", "Exposed collective time by kind (mean over ranks, ms per step): "]
+        lines.append(", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines) + "\n"
+
+
+def _kinds(summaries: list[RankSummary]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for s in summaries:
+        for k, v in s.step.comm_kinds.items():
+            totals[k] = totals.get(k, 0.0) + v / len(summaries)
+    return totals
+
+
+def short_summary(summaries: list[RankSummary], findings: list[Finding], context: ReportContext) -> str:
+    """A few lines for the console at the end of fit."""
+    cycle = sum(s.step.cycle_us for s in summaries) / max(len(summaries), 1) / 1e3
+    compute = sum(fractions(summaries)[b][0] for b in COMPUTE_BUCKETS)
+    tokens, mfu = throughput(summaries, context)
+    head = f"par3d bottlenecks: step {cycle:.1f} ms, compute {compute:.0%}"
+    if tokens is not None:
+        head += f", {tokens:,.0f} tokens/s"
+    if mfu is not None:
+        head += f", MFU {mfu:.1%}"
+    shown = [f for f in findings if f.severity != "low"][:3] or findings[:1]
+    return "\n".join([head, *(f"  {f.line()}" for f in shown)])

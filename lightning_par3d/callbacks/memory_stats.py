@@ -1,0 +1,288 @@
+"""``MemoryStats``: every rank's memory at every training step, split into parameters, gradients, optimizer state
+and activations.
+
+::
+
+    trainer = L.Trainer(strategy="par3d", callbacks=[MemoryStats()])
+
+Each step, on every rank:
+
+* parameters, gradients and optimizer state are counted from the tensors the rank holds
+  (:func:`~lightning_par3d.memory.model_state_bytes`: storages, each once, padding included), just before the
+  optimizer step (their peak: gradients present) and at the end of the step;
+* activations are the bytes autograd keeps saved for backward, measured by hooks
+  (:class:`~lightning_par3d.memory.SavedTensorMeter`): their peak in the step, and what is still held at its end;
+* on CUDA, the allocator's own figures too (``torch.cuda.memory_allocated`` and ``max_memory_allocated``).
+
+Every ``log_every_n_steps`` steps (the Trainer's by default) all ranks' figures go to Lightning's loggers, in MiB,
+under ``memory/rank{r}/{kind}_mib`` (at the end of the step) and ``memory/rank{r}/{kind}_peak_mib`` (peak in the
+step), with ``kind`` one of ``params``, ``grads``, ``optimizer``, ``activations``; then
+``memory/rank{r}/total_peak_mib`` (the sum of the peaks) and, on CUDA, ``memory/rank{r}/cuda_allocated_mib`` and
+``memory/rank{r}/cuda_peak_mib``. At the end of fit, rank 0 prints a per-rank table beside
+:func:`~lightning_par3d.estimate_memory`'s prediction for the layout (computed in a separate process while training
+runs, since the estimator needs a process without a process group) and writes ``memory_stats.png`` (memory over
+steps, one panel per rank, stacked by kind) and ``memory_stats.csv`` to ``dirpath`` (default: the logger's
+directory, else ``trainer.default_root_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par3d.callbacks.bottleneck import output_directory
+from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
+from lightning_par3d.callbacks.memory_report import format_summary, plot_memory, write_csv
+from lightning_par3d.memory import SavedTensorMeter, model_state_bytes
+
+KINDS = ("params", "grads", "optimizer", "activations")
+MIB = 2**20
+
+
+@dataclass
+class MemoryRecord:
+    """One rank's memory at one step, in bytes."""
+
+    step: int
+    rank: int
+    pp_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    params_peak: int
+    grads_peak: int
+    optimizer_peak: int
+    activations_peak: int
+    cuda_allocated: int = 0
+    cuda_peak: int = 0
+
+    @property
+    def total_peak(self) -> int:
+        return sum(getattr(self, f"{kind}_peak") for kind in KINDS)
+
+    def metrics(self) -> dict[str, float]:
+        prefix = f"memory/rank{self.rank}/"
+        out = {f"{prefix}{kind}_mib": getattr(self, kind) / MIB for kind in KINDS}
+        out |= {f"{prefix}{kind}_peak_mib": getattr(self, f"{kind}_peak") / MIB for kind in KINDS}
+        out[f"{prefix}total_peak_mib"] = self.total_peak / MIB
+        if self.cuda_peak:
+            out[f"{prefix}cuda_allocated_mib"] = self.cuda_allocated / MIB
+            out[f"{prefix}cuda_peak_mib"] = self.cuda_peak / MIB
+        return out
+
+
+_FIELDS = tuple(MemoryRecord.__dataclass_fields__)
+
+
+class MemoryStats(L.Callback):
+    """Measures every rank's memory at every step; logs it, and at the end tabulates and plots it.
+
+    Args:
+        log_every_n_steps: how often all ranks' figures go to the loggers; default: the Trainer's.
+        dirpath: where to write ``memory_stats.png`` and ``.csv``; default: the logger's directory, else
+            ``trainer.default_root_dir``.
+        estimate: compare with :func:`~lightning_par3d.estimate_memory` (run in a child process on rank 0).
+        verbose: print the per-rank table at the end of fit (rank 0).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        dirpath: str | Path | None = None,
+        estimate: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.estimate = estimate
+        self.verbose = verbose
+        self.records: list[MemoryRecord] = []
+        self.all_records: list[MemoryRecord] = []
+        self.estimated: Any = None
+        self.plot_path: Path | None = None
+        self._meter: SavedTensorMeter | None = None
+        self._before_step: Any = None
+        self._unconfigured: Any = None
+        self._child: Any = None
+
+    # ---------------------------------------------------------------- measuring
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.estimate and trainer.is_global_zero:
+            mesh, pl_module._device_mesh = pl_module._device_mesh, None  # the live mesh stays in this process
+            try:  # the LightningModule before configure_model: what the estimator builds on fake tensors
+                self._unconfigured = pickle.dumps(pl_module)
+            except Exception as err:  # the comparison is optional; say why it is missing
+                self._unconfigured = None
+                rank_zero_info(f"MemoryStats: no estimate to compare with ({type(err).__name__}: {err}).")
+            finally:
+                pl_module._device_mesh = mesh
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self._unconfigured is not None and self._child is None:
+            self._child = _start_estimate(self._unconfigured, trainer, batch)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._before_step = None
+        self._meter = SavedTensorMeter().__enter__()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        with torch.profiler.record_function(OBSERVER):  # BottleneckReport counts this as measuring, not training
+            self._before_step = model_state_bytes(pl_module, trainer.optimizers)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._meter is None:
+            return
+        with torch.profiler.record_function(OBSERVER):
+            self._record(trainer, pl_module)
+
+    def _record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self._meter is not None
+        self._meter.__exit__(None, None, None)
+        now = model_state_bytes(pl_module, trainer.optimizers)
+        before = self._before_step or now
+        record = MemoryRecord(
+            step=trainer.global_step,
+            rank=trainer.global_rank,
+            pp_rank=_pp_rank(trainer),
+            params=now.params,
+            grads=now.grads,
+            optimizer=now.optimizer,
+            activations=self._meter.live,
+            params_peak=max(now.params, before.params),
+            grads_peak=max(now.grads, before.grads),
+            optimizer_peak=max(now.optimizer, before.optimizer),
+            activations_peak=self._meter.peak,
+            cuda_allocated=torch.cuda.memory_allocated() if torch.cuda.is_available() else 0,
+            cuda_peak=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+        )
+        self.records.append(record)
+        self._meter = None
+        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50)
+        if len(self.records) % max(every, 1) == 0:
+            self._log(trainer, record)
+
+    def _log(self, trainer: L.Trainer, record: MemoryRecord) -> None:
+        """All ranks' figures of this step, gathered (one small collective) and logged by rank 0's loggers."""
+        values = torch.tensor([float(getattr(record, f)) for f in _FIELDS], dtype=torch.float64)
+        rows = _all_gather(values, trainer.strategy.root_device)
+        metrics: dict[str, float] = {}
+        for row in rows:
+            metrics |= MemoryRecord(**{f: int(v) for f, v in zip(_FIELDS, row.tolist(), strict=True)}).metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ---------------------------------------------------------------- report
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        directory = output_directory(trainer, self.dirpath)
+        everyone = _gather_records(self.records)
+        if everyone is None:
+            return
+        self.all_records = everyone
+        self.estimated = _finish_estimate(self._child)
+        write_csv(everyone, directory / "memory_stats.csv")
+        self.plot_path = plot_memory(everyone, self.estimated, directory / "memory_stats.png")
+        if self.verbose:
+            rank_zero_info(format_summary(everyone, self.estimated) + f"\n  plot: {self.plot_path}")
+
+
+def _pp_rank(trainer: L.Trainer) -> int:
+    mesh = getattr(trainer.strategy, "_mesh", None)
+    return mesh.coords(trainer.global_rank).pp if mesh is not None else 0
+
+
+def _all_gather(values: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [values]
+    values = values.to(device)
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, values)
+    return [r.cpu() for r in rows]
+
+
+def _gather_records(records: list[MemoryRecord]) -> list[MemoryRecord] | None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return records
+    everyone: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object([asdict(r) for r in records], everyone if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return [MemoryRecord(**row) for rows in everyone for row in rows]
+
+
+# ---------------------------------------------------------------- the estimate, in a child process
+
+
+def _optimizer_kind(trainer: L.Trainer) -> str | None:
+    from lightning_par3d.zero import zero_optimizers
+
+    if not trainer.optimizers:
+        return None
+    optimizer = trainer.optimizers[0]
+    zero = zero_optimizers([optimizer])
+    optimizer = zero[0].wrapped if zero else optimizer
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd_momentum" if optimizer.defaults.get("momentum") else "sgd"
+    return None
+
+
+def _start_estimate(module_bytes: bytes, trainer: L.Trainer, batch: Any) -> Any:
+    """Starts ``python -m lightning_par3d.callbacks.estimate_child`` on the layout and this batch's shapes."""
+    config = getattr(trainer.strategy, "config", None)
+    kind = _optimizer_kind(trainer)
+    if config is None or kind is None:
+        return False
+    items = batch if isinstance(batch, (tuple, list)) else [batch]
+    shapes = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in items if isinstance(t, torch.Tensor))
+    workdir = Path(tempfile.mkdtemp(prefix="par3d-estimate-"))
+    payload = {
+        "module": module_bytes,
+        "config": config,
+        "world_size": trainer.world_size,
+        "batch": shapes,
+        "precision": str(trainer.precision),
+        "optimizer": kind,
+    }
+    (workdir / "in.pkl").write_bytes(pickle.dumps(payload))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(name, None)  # the child is not a rank
+    command = [sys.executable, "-m", "lightning_par3d.callbacks.estimate_child", str(workdir)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "err.txt", "w"))
+
+
+def _finish_estimate(child: Any, timeout: float = 600) -> Any:
+    """The child's :class:`~lightning_par3d.estimate.MemoryEstimate`, or None (with the reason printed)."""
+    if not child:
+        return None
+    workdir = Path(child.args[-1])
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        rank_zero_info("MemoryStats: the estimate did not finish in time; no comparison.")
+        return None
+    out = workdir / "out.pkl"
+    if child.returncode != 0 or not out.exists():
+        reason = (workdir / "err.txt").read_text()[-500:]
+        rank_zero_info(f"MemoryStats: the estimate failed; no comparison. {reason}")
+        return None
+    return pickle.loads(out.read_bytes())

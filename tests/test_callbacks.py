@@ -1,0 +1,212 @@
+"""MemoryStats and BottleneckReport: figures checked against independent counts, bottlenecks found where they were
+put, buckets that account for the measured step, and pictures that decode."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_par3d.callbacks.bottleneck_analysis import Event, analyze_steps
+from lightning_par3d.callbacks.intervals import intersect, length, merge, subtract
+
+# ---------------------------------------------------------------- unit: intervals and attribution
+
+
+def test_interval_arithmetic():
+    assert merge([(3, 4), (0, 2), (1, 3)]) == [(0, 4)]
+    assert length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert intersect([(0, 5)], [(1, 2), (4, 9)]) == [(1, 2), (4, 5)]
+    assert subtract([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
+
+
+def _step(start: float, forward: float, backward: float, end: float) -> list[Event]:
+    return [
+        Event("par3d/step", start, end, 1),
+        Event("par3d/forward", start, forward, 1),
+        Event("par3d/backward", forward, backward, 1),
+        Event("par3d/optimizer", backward, end, 1),
+    ]
+
+
+def test_exposed_collective_time_is_what_compute_does_not_cover():
+    """A worker-thread all-reduce of 40 µs overlapping 30 µs of backward compute exposes 10 µs, as dp time; a
+    blocking DTensor wait of 5 µs in forward is tensor-parallel time; a 20 µs DataLoader call before the step is
+    the dataloader's."""
+    events = [
+        *_step(0, 10, 20, 30),  # the step that opens the window
+        Event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 40, 60, 1),
+        *_step(60, 100, 160, 200),
+        Event("aten::mm", 60, 95, 1),
+        Event("_c10d_functional::wait_tensor", 95, 100, 1),
+        Event("autograd::engine::evaluate_function: MmBackward0", 100, 150, 1),
+        Event("c10d::allreduce_", 120, 121, 1),
+        Event("gloo:all_reduce", 120, 160, 7),
+        Event("aten::add_", 160, 190, 1),
+    ]
+    (step,) = analyze_steps(events, pp=False)
+    assert step.cycle_us == 170  # from the previous step's end (30) to this one's (200)
+    assert step.buckets["dataloader"] == 20
+    assert step.buckets["tp_comm"] == 5
+    assert step.buckets["dp_comm"] == 10  # 150..160: the backward's compute ended, the all-reduce had not
+    assert step.buckets["forward"] == 35
+    assert step.buckets["backward"] == 50
+    assert step.buckets["optimizer"] == 40
+    assert step.accounted_us == 160  # everything but the loop's own 10 µs between steps
+
+
+def test_pipeline_time_is_the_schedule_outside_stage_compute():
+    events = [
+        *_step(0, 10, 20, 30),
+        *_step(30, 130, 130, 140),
+        Event("par3d/pp/F s0 mb0", 32, 52, 1),
+        Event("c10d::send", 52, 53, 1),
+        Event("gloo:send", 52, 90, 1),  # the send's lifetime, while the rank waits for its neighbour
+        Event("par3d/pp/B s0 mb0", 90, 125, 1),
+        Event("aten::mm", 92, 120, 1),
+    ]
+    (step,) = analyze_steps(events, pp=True)
+    assert step.buckets["forward"] == 20
+    assert step.buckets["backward"] == 35
+    assert step.buckets["pipeline"] == 100 - 20 - 35
+    assert step.buckets["optimizer"] == 10
+
+
+# ---------------------------------------------------------------- real runs
+
+
+class SlowWindows(torch.utils.data.Dataset):
+    """The training windows, each taking ``delay`` seconds to load."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(self.delay)
+        return self.inner[i]
+
+
+def observed_job(strategy: dict, devices: int, out: str, delay: float = 0.0, steps: int = 10) -> dict:
+    from examples.data import ShakespeareDataModule
+    from examples.gpt import GPTModule
+    from lightning_par3d import Par3DStrategy
+    from lightning_par3d.callbacks import BottleneckReport, MemoryStats
+    from lightning_par3d.memory import optimizer_state_tensors
+    from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL, trainer_kwargs
+
+    class Data(ShakespeareDataModule):
+        def setup(self, stage: str | None = None) -> None:
+            super().setup(stage)
+            if delay:
+                self.train_set = SlowWindows(self.train_set, delay)
+
+    L.seed_everything(0, verbose=False)
+    par3d = Par3DStrategy(timeout_s=120, **strategy)
+    memory = MemoryStats(dirpath=out, log_every_n_steps=1)
+    report = BottleneckReport(skip_first=3, steps=3, dirpath=out)
+    logger = L.pytorch.loggers.CSVLogger(out, name="logs")
+    kwargs = trainer_kwargs(max_steps=steps, logger=logger)
+    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=[memory, report], **kwargs)
+    module = GPTModule(**{**MODEL, "n_layer": 4})
+    data = Data(batch_size=GLOBAL_BATCH // par3d.layout.dp, **{**DATA, "max_bytes": 20_000})
+    trainer.fit(module, data)
+    from lightning_par3d.tensor_parallel import local_tensor
+
+    params = [local_tensor(p) for p in module.parameters()]
+    states = [local_tensor(t) for opt in trainer.optimizers for t in optimizer_state_tensors(opt)]
+    return {
+        "records": [vars(r) for r in memory.records],
+        "independent": {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "optimizer": sum(t.numel() * t.element_size() for t in states),
+        },
+        "estimated": memory.estimated,
+        "findings": [(f.bucket, f.fraction, f.severity) for f in report.findings],
+        "steps": [(s.rank, s.step.cycle_us, s.step.accounted_us) for s in report.summaries],
+        "log_dir": str(trainer.logger.log_dir),
+    }
+
+
+def _png(path: Path) -> tuple[int, ...]:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path).shape
+
+
+@pytest.mark.dist
+def test_memory_stats_match_independent_counts(pool4, tmp_path: Path):
+    """dp_shard=2 × tp=2 (every dimension divisible: no padding). Parameter bytes equal the sum of each rank's
+    local shards, optimizer bytes the sum of its state tensors; activations agree with the estimator's."""
+    results = pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(tmp_path))
+    for rank, got in enumerate(results):
+        records = got["records"]
+        assert [r["step"] for r in records] == list(range(1, 11))
+        last = records[-1]
+        assert last["params"] == last["params_peak"] == got["independent"]["params"], rank
+        assert last["grads_peak"] == got["independent"]["params"]  # FSDP2 gradient shards: the parameters' size
+        assert last["optimizer"] == got["independent"]["optimizer"]
+        assert last["activations_peak"] > 0
+    estimate = results[0]["estimated"]
+    assert estimate is not None, "the estimate child failed"
+    row = estimate.rows[0]
+    measured = max(r["activations_peak"] for r in results[0]["records"][1:])
+    assert abs(row.activations - measured) <= 0.25 * measured
+    assert row.state.params == results[0]["records"][-1]["params"]
+    # Logged for every rank, under the documented names; the CSV, the plot.
+    import csv
+
+    rows = list(csv.DictReader((Path(results[0]["log_dir"]) / "metrics.csv").open()))
+    for rank in range(4):
+        values = [r[f"memory/rank{rank}/params_mib"] for r in rows if r.get(f"memory/rank{rank}/params_mib")]
+        assert len(values) == 10 and float(values[-1]) == pytest.approx(results[rank]["independent"]["params"] / 2**20)
+    assert (tmp_path / "memory_stats.csv").read_text().count("\n") == 1 + 10 * 4
+    height, width, _ = _png(tmp_path / "memory_stats.png")
+    assert width > 400 and height > 200
+
+
+@pytest.mark.dist
+def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
+    results = pool2.run(observed_job, strategy=dict(dp_shard=2), devices=2, out=str(tmp_path), delay=0.05)
+    findings = results[0]["findings"]
+    assert findings[0][0] == "dataloader", findings
+    assert findings[0][2] in ("high", "critical")
+    report = (tmp_path / "bottleneck_report.md").read_text()
+    assert "dataloader wait" in report and "raise num_workers (now 0)" in report
+
+
+@pytest.mark.dist
+def test_the_pipeline_bubble_is_the_top_bottleneck_at_pp4_with_4_microbatches(pool4, tmp_path: Path):
+    results = pool4.run(observed_job, strategy=dict(pp=4, microbatches=4), devices=4, out=str(tmp_path))
+    findings = results[0]["findings"]
+    assert findings[0][0] == "pipeline", findings
+    assert "pipeline idle" in (tmp_path / "bottleneck_report.md").read_text()
+    _assert_buckets_account_for_the_step(results[0]["steps"])
+    height, width, _ = _png(tmp_path / "pipeline_timeline.png")
+    assert width > 400 and height > 150
+    for rank in range(4):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert "par3d/step" in names and any(str(n).startswith("par3d/pp/F") for n in names)
+
+
+@pytest.mark.dist
+def test_buckets_account_for_the_measured_step_with_tp_and_dp(pool4, tmp_path: Path):
+    results = pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(tmp_path))
+    _assert_buckets_account_for_the_step(results[0]["steps"])
+    findings = dict((bucket, fraction) for bucket, fraction, _ in results[0]["findings"])
+    assert findings["tp_comm"] > 0 and findings["dp_comm"] > 0  # both kinds of collectives were seen
+
+
+def _assert_buckets_account_for_the_step(steps: list[tuple[int, float, float]]) -> None:
+    """Every rank's buckets sum to its measured step time (from one step's end to the next) within 10 %."""
+    assert steps
+    for rank, cycle, accounted in steps:
+        assert abs(cycle - accounted) <= 0.10 * cycle, f"rank {rank}: buckets {accounted:.0f} µs of {cycle:.0f} µs"
