@@ -33,3 +33,9 @@ def test_zero_benchmark_runs(pool2):
     assert len(got["times"]) == 2
     formula, estimate = predicted(2, 2, got["shapes"])
     assert got["state"].total == formula == estimate
+
+
+def test_callbacks_benchmark_runs(pool4):
+    from benchmarks.bench_callbacks import throughput_run
+
+    assert pool4.run(throughput_run, observe=True, steps=10)[0] > 0

@@ -210,3 +210,20 @@ def _assert_buckets_account_for_the_step(steps: list[tuple[int, float, float]]) 
     assert steps
     for rank, cycle, accounted in steps:
         assert abs(cycle - accounted) <= 0.10 * cycle, f"rank {rank}: buckets {accounted:.0f} µs of {cycle:.0f} µs"
+
+
+@pytest.mark.dist
+def test_watching_does_not_change_training(pool4, tmp_path: Path):
+    """With both callbacks measuring (and the profiler on for two steps) at pp=2 × tp=2, the run still matches one
+    process step for step."""
+    from lightning_par3d.callbacks import BottleneckReport, MemoryStats
+    from tests.conftest import assert_parity
+    from tests.gpt_runs import run_par3d, run_reference
+
+    callbacks = [
+        MemoryStats(dirpath=str(tmp_path), log_every_n_steps=1, estimate=False, verbose=False),
+        BottleneckReport(skip_first=2, steps=2, dirpath=str(tmp_path), verbose=False),
+    ]
+    got = pool4.run(run_par3d, strategy=dict(pp=2, tp=2), devices=4, model=dict(n_layer=4), extra_callbacks=callbacks)
+    assert_parity(got[0], run_reference(model=dict(n_layer=4)))
+    assert (tmp_path / "bottleneck_report.md").exists() and (tmp_path / "memory_stats.png").exists()

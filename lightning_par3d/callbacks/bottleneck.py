@@ -93,7 +93,7 @@ class BottleneckReport(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero:
             # For measure_flops: a copy before configure_model (and before par3d shards it), to build on meta.
-            mesh, pl_module._device_mesh = pl_module._device_mesh, None
+            mesh, pl_module._device_mesh = getattr(pl_module, "_device_mesh", None), None
             try:
                 self._unconfigured = copy.deepcopy(pl_module)
             except Exception:  # the FLOPs figure is optional; a module that cannot be copied just lacks it
@@ -198,8 +198,11 @@ class BottleneckReport(L.Callback):
         return output_directory(trainer, self.dirpath)
 
     def _context(self, trainer: L.Trainer, sampled: int) -> ReportContext:
+        from lightning_par3d.config import Layout
+
         strategy = trainer.strategy
-        layout = getattr(strategy, "layout", None)
+        # Under another strategy, the report reads every rank as a replica (its suggestions then say less).
+        layout = getattr(strategy, "layout", None) or Layout(1, trainer.world_size, 1, 1)
         config = getattr(strategy, "config", None)
         loader = trainer.train_dataloader
         tokens = self._context_extra.get("tokens")
@@ -212,7 +215,7 @@ class BottleneckReport(L.Callback):
             num_workers=getattr(loader, "num_workers", None),
             devices_per_node=max(trainer.num_devices, 1),
             sampled_steps=sampled,
-            tokens_per_step=tokens * layout.dp if tokens and layout is not None else None,
+            tokens_per_step=tokens * layout.dp if tokens else None,
             flops_per_step=flops,
             peak_flops=peak,
         )
@@ -223,7 +226,7 @@ class BottleneckReport(L.Callback):
         from lightning.fabric.utilities.throughput import get_available_flops, measure_flops
 
         shape = self._context_extra.get("input_shape")
-        if self._unconfigured is None or shape is None or layout is None:
+        if self._unconfigured is None or shape is None:
             return None, None
         try:
             with torch.device("meta"):

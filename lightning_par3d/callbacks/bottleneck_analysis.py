@@ -183,7 +183,7 @@ def _comm_spans(events: Sequence[Event], main: int, phases: dict[str, list[Span]
     for event in main_events:
         if event.name in _BLOCKING_ON_MAIN:
             in_optimizer = any(s <= event.start < e for s, e in phases.get(OPTIMIZER, []))
-            comm.add(comm.blocking, "dp_comm" if in_optimizer else "tp_comm", "wait", event.span)
+            comm.blocking.setdefault("dp_comm" if in_optimizer else "tp_comm", []).append(event.span)
     return comm
 
 

@@ -164,7 +164,7 @@ def render_markdown(summaries: list[RankSummary], findings: list[Finding], conte
         lines.append(f"| {s.rank} | {s.pp_rank} | {s.step.cycle_us / 1e3:.2f} | {cells} | {accounted:.0%} |")
     kinds = _kinds(summaries)
     if kinds:
-        lines += ["", "Exposed collective time by kind (mean over ranks, ms per step): "]
+        lines += ["", "Exposed time of each kind of collective (mean over ranks, ms per step):"]
         lines.append(", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines) + "\n"
 

@@ -27,28 +27,28 @@ def _estimate_row(estimate: Any, pp_rank: int) -> Any:
 
 
 def format_summary(records: Sequence[Any], estimate: Any) -> str:
-    """Per rank: the peak of each kind over the run (MiB), their sum, the estimate's total beside it, and the CUDA
-    allocator's peak where there is one."""
+    """Per rank: the peak of each kind over the run (MiB); the largest step total and the median one, beside the
+    estimate (which predicts the median: a steady step); the CUDA allocator's peak where there is one."""
     cuda = any(r.cuda_peak for r in records)
-    head = "| rank | pp | params | grads | optimizer | activations | total peak | estimate |" + (
+    head = "| rank | pp | params | grads | optimizer | activations | largest step | median step | estimate |" + (
         " CUDA peak |" if cuda else ""
     )
-    lines = ["par3d memory per rank (MiB, peak over the run's steps)", "", head, "|" + "---:|" * (head.count("|") - 1)]
+    lines = ["par3d memory per rank (MiB)", "", head, "|" + "---:|" * (head.count("|") - 1)]
     for rank, rows in _by_rank(records).items():
-        peaks = {kind: max(getattr(r, f"{kind}_peak") for r in rows) for kind in KINDS}
-        total = sum(peaks.values())
+        peaks = [f"{max(getattr(r, f'{kind}_peak') for r in rows) / MIB:.2f}" for kind in KINDS]
+        totals = sorted(r.total_peak for r in rows)
         estimated = _estimate_row(estimate, rows[0].pp_rank)
         guess = f"{estimated.total / MIB:.2f}" if estimated is not None else "—"
-        cells = [
-            str(rank),
-            str(rows[0].pp_rank),
-            *(f"{peaks[k] / MIB:.2f}" for k in KINDS),
-            f"{total / MIB:.2f}",
-            guess,
-        ]
+        cells = [str(rank), str(rows[0].pp_rank), *peaks]
+        cells += [f"{totals[-1] / MIB:.2f}", f"{totals[len(totals) // 2] / MIB:.2f}", guess]
         if cuda:
             cells.append(f"{max(r.cuda_peak for r in rows) / MIB:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r.pp_rank for r in records):
+        lines.append(
+            "(Under pipelining the first step, and the first after each validation, hold more: torch's pipeline "
+            "stages run one extra forward and backward then to infer shapes.)"
+        )
     return "\n".join(lines)
 
 

@@ -8,8 +8,9 @@ and activations.
 Each step, on every rank:
 
 * parameters, gradients and optimizer state are counted from the tensors the rank holds
-  (:func:`~lightning_par3d.memory.model_state_bytes`: storages, each once, padding included), just before the
-  optimizer step (their peak: gradients present) and at the end of the step;
+  (:func:`~lightning_par3d.memory.model_state_bytes`: storages, each once, padding included) just before the
+  optimizer step, when all three are held (and again at the end of a step that created the optimizer state or took
+  no optimizer step);
 * activations are the bytes autograd keeps saved for backward, measured by hooks
   (:class:`~lightning_par3d.memory.SavedTensorMeter`): their peak in the step, and what is still held at its end;
 * on CUDA, the allocator's own figures too (``torch.cuda.memory_allocated`` and ``max_memory_allocated``).
@@ -19,10 +20,10 @@ under ``memory/rank{r}/{kind}_mib`` (at the end of the step) and ``memory/rank{r
 step), with ``kind`` one of ``params``, ``grads``, ``optimizer``, ``activations``; then
 ``memory/rank{r}/total_peak_mib`` (the sum of the peaks) and, on CUDA, ``memory/rank{r}/cuda_allocated_mib`` and
 ``memory/rank{r}/cuda_peak_mib``. At the end of fit, rank 0 prints a per-rank table beside
-:func:`~lightning_par3d.estimate_memory`'s prediction for the layout (computed in a separate process while training
-runs, since the estimator needs a process without a process group) and writes ``memory_stats.png`` (memory over
-steps, one panel per rank, stacked by kind) and ``memory_stats.csv`` to ``dirpath`` (default: the logger's
-directory, else ``trainer.default_root_dir``).
+:func:`~lightning_par3d.estimate_memory`'s prediction for the layout (computed then, in a child process, since the
+estimator needs a process without a process group) and writes ``memory_stats.png`` (memory over steps, one panel
+per rank, stacked by kind) and ``memory_stats.csv`` to ``dirpath`` (default: the logger's directory, else
+``trainer.default_root_dir``).
 """
 
 from __future__ import annotations
@@ -114,12 +115,13 @@ class MemoryStats(L.Callback):
         self._meter: SavedTensorMeter | None = None
         self._before_step: Any = None
         self._unconfigured: Any = None
-        self._child: Any = None
+        self._batch: Any = None
 
     # ---------------------------------------------------------------- measuring
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and self.estimate and trainer.is_global_zero:
-            mesh, pl_module._device_mesh = pl_module._device_mesh, None  # the live mesh stays in this process
+            # The live mesh stays in this process.
+            mesh, pl_module._device_mesh = getattr(pl_module, "_device_mesh", None), None
             try:  # the LightningModule before configure_model: what the estimator builds on fake tensors
                 self._unconfigured = pickle.dumps(pl_module)
             except Exception as err:  # the comparison is optional; say why it is missing
@@ -129,8 +131,11 @@ class MemoryStats(L.Callback):
                 pl_module._device_mesh = mesh
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if self._unconfigured is not None and self._child is None:
-            self._child = _start_estimate(self._unconfigured, trainer, batch)
+        if self._unconfigured is not None and self._batch is None:
+            items = batch if isinstance(batch, (tuple, list)) else [batch]
+            self._batch = tuple(
+                torch.empty(t.shape, dtype=t.dtype, device="meta") for t in items if isinstance(t, torch.Tensor)
+            )
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._before_step = None
@@ -149,8 +154,12 @@ class MemoryStats(L.Callback):
     def _record(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         assert self._meter is not None
         self._meter.__exit__(None, None, None)
-        now = model_state_bytes(pl_module, trainer.optimizers)
-        before = self._before_step or now
+        before = self._before_step
+        # The optimizer step changes no storage but the first one (which creates the optimizer state): count again
+        # only then, or when this batch took no step (gradient accumulation).
+        first_step = before is not None and before.optimizer == 0
+        now = model_state_bytes(pl_module, trainer.optimizers) if before is None or first_step else before
+        before = before or now
         record = MemoryRecord(
             step=trainer.global_step,
             rank=trainer.global_rank,
@@ -189,7 +198,8 @@ class MemoryStats(L.Callback):
         if everyone is None:
             return
         self.all_records = everyone
-        self.estimated = _finish_estimate(self._child)
+        if self._unconfigured is not None and self._batch is not None:  # after training: it takes no step's time
+            self.estimated = _finish_estimate(_start_estimate(self._unconfigured, trainer, self._batch))
         write_csv(everyone, directory / "memory_stats.csv")
         self.plot_path = plot_memory(everyone, self.estimated, directory / "memory_stats.png")
         if self.verbose:
@@ -244,14 +254,12 @@ def _optimizer_kind(trainer: L.Trainer) -> str | None:
     return None
 
 
-def _start_estimate(module_bytes: bytes, trainer: L.Trainer, batch: Any) -> Any:
-    """Starts ``python -m lightning_par3d.callbacks.estimate_child`` on the layout and this batch's shapes."""
+def _start_estimate(module_bytes: bytes, trainer: L.Trainer, shapes: tuple[torch.Tensor, ...]) -> Any:
+    """Starts ``python -m lightning_par3d.callbacks.estimate_child`` on the layout and the batch's shapes."""
     config = getattr(trainer.strategy, "config", None)
     kind = _optimizer_kind(trainer)
     if config is None or kind is None:
         return False
-    items = batch if isinstance(batch, (tuple, list)) else [batch]
-    shapes = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in items if isinstance(t, torch.Tensor))
     workdir = Path(tempfile.mkdtemp(prefix="par3d-estimate-"))
     payload = {
         "module": module_bytes,
