@@ -33,10 +33,11 @@ lint: setup  ## ruff, ruff format --check and mypy.
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-bench: setup  ## Benchmarks: par3d against Lightning's strategies; the pipeline bubble; ZeRO stages.
+bench: setup  ## Benchmarks: par3d against Lightning's strategies; the pipeline bubble; ZeRO stages; callbacks' cost.
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_pipeline_bubble.py
 	$(PY) benchmarks/bench_zero.py
+	$(PY) benchmarks/bench_callbacks.py
 
 clean:  ## Remove the virtual environment and run outputs.
 	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache .mypy_cache .ruff_cache
