@@ -201,15 +201,14 @@ def estimate_memory(
         recompute = max(stages[s].recompute_bytes for s in mine)
         shapes = [shape for s in mine for shape in stages[s].param_shapes]
         param_b, grad_b, state_b = _DTYPE_BYTES[precision]
-        state = model_state_formula(
+        state = model_state_formula(  # dp_shard rank 0: the one whose chunks are never short
             shapes,
-            layout.zero,
-            layout.dp_shard,
-            0,
-            param_b,
-            grad_b,
-            OPTIMIZER_STATE_LAYOUTS[optimizer],
-            state_b,
+            stage=layout.zero,
+            n=layout.dp_shard,
+            param_bytes=param_b,
+            grad_bytes=grad_b,
+            optimizer=OPTIMIZER_STATE_LAYOUTS[optimizer],
+            state_bytes=state_b,
         )
         ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
         rows.append(RankEstimate(pp_rank, tuple(mine), ranks, state, peak, recompute, per_mb, in_flight))

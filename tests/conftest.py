@@ -64,3 +64,25 @@ def assert_parity(got: dict, ref: dict) -> None:
         torch.testing.assert_close(actual, expected, rtol=PARAM_RTOL, atol=PARAM_RTOL * scale, msg=name)
         rel = ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
         assert rel <= PARAM_RTOL, f"{name}: relative error {rel:.2e} > {PARAM_RTOL}"
+
+
+def assert_resume_continues(pool: DistPool, directory: str, steps: int, **run: object) -> None:
+    """Trains ``steps`` steps uninterrupted, and ``steps // 2`` then a resume to ``steps`` from the sharded
+    checkpoint in ``directory``, with ``run_par3d(**run)`` on ``pool``: the resumed losses and final parameters equal
+    the uninterrupted ones within 1e-6 (one-batch epochs, so the data order does not depend on where Lightning's
+    loop restarts)."""
+    from tests.gpt_runs import run_par3d
+    from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
+
+    def train(**more: object) -> dict:
+        return pool.run(run_par3d, data=ONE_BATCH_EPOCHS, **run, **more)[0]
+
+    whole = train(max_steps=steps)
+    train(max_steps=steps // 2, ckpt_dir=directory)
+    resumed = train(max_steps=steps, resume_from=f"{directory}/last.ckpt")
+    half = steps - steps // 2
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][-half:]), rtol=0, atol=1e-6
+    )
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)

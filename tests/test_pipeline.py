@@ -13,7 +13,7 @@ from torch import nn
 from examples.gpt import GPT, GPTConfig
 from lightning_par3d import Par3DConfig, resolve_layout
 from lightning_par3d.pipeline_split import balanced_split, explicit_split, find_trunk_parts, stage_indices
-from tests.conftest import assert_parity
+from tests.conftest import assert_parity, assert_resume_continues
 from tests.gpt_runs import run_par3d, run_reference
 from tests.harness import RankError
 
@@ -176,17 +176,7 @@ def test_logged_training_loss_and_validation_metrics_agree_on_every_rank(pool4):
 
 @pytest.mark.dist
 def test_pp_resume_continues_the_loss_trajectory(pool4, tmp_path):
-    from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
-
-    run = functools.partial(
-        pool4.run, run_par3d, strategy=dict(pp=2, dp_shard=2), devices=4, model=DEEP, data=ONE_BATCH_EPOCHS
-    )
-    whole = run(max_steps=6)[0]
-    run(max_steps=3, ckpt_dir=str(tmp_path))
-    resumed = run(max_steps=6, resume_from=str(tmp_path / "last.ckpt"))[0]
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][3:]), rtol=0, atol=1e-6)
-    for name, value in whole["params"].items():
-        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
+    assert_resume_continues(pool4, str(tmp_path), 6, strategy=dict(pp=2, dp_shard=2), devices=4, model=DEEP)
 
 
 # ---------------------------------------------------------------- errors, not hangs

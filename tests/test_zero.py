@@ -15,7 +15,7 @@ import torch
 from lightning_par3d import Par3DConfig, resolve_layout
 from lightning_par3d.zero_buckets import shard_rows
 from lightning_par3d.zero_formula import model_state_formula, tensor_state_elements
-from tests.conftest import assert_parity
+from tests.conftest import assert_parity, assert_resume_continues
 from tests.gpt_runs import run_par3d, run_reference
 from tests.harness import RankError
 
@@ -241,15 +241,7 @@ def test_measured_bytes_match_the_zero_formulas(world, request):
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_restores_each_stage(pool2, tmp_path: Path, stage):
-    from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
-
-    run = functools.partial(pool2.run, run_par3d, strategy=dict(zero_stage=stage), devices=2, data=ONE_BATCH_EPOCHS)
-    whole = run(max_steps=8)[0]
-    run(max_steps=4, ckpt_dir=str(tmp_path))
-    resumed = run(max_steps=8, resume_from=str(tmp_path / "last.ckpt"))[0]
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][4:]), rtol=0, atol=1e-6)
-    for name, value in whole["params"].items():
-        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
+    assert_resume_continues(pool2, str(tmp_path), 8, strategy=dict(zero_stage=stage), devices=2)
 
 
 @pytest.mark.dist

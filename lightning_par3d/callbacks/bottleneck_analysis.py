@@ -7,6 +7,8 @@ compute call). From those and from the profiler's own events, each step's time i
 overlap:
 
 ``dataloader``  the DataLoader's ``__next__`` calls before the step (torch's DataLoader records them);
+``loop``        the rest of the time between the previous step's end and this one's start: Lightning's loop and the
+                callbacks' per-step work (logging, checkpointing, progress bar);
 ``tp_comm``     tensor-parallel collectives: DTensor's functional collectives during forward and backward;
 ``dp_comm``     data-parallel collectives: FSDP2's all-gathers and reduce-scatters, DDP's and ZeRO's all-reduces,
                 and the optimizer phase's norm reductions;
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 from lightning_par3d.callbacks.intervals import Span, intersect, length, merge, subtract
 
-BUCKETS = ("forward", "backward", "optimizer", "tp_comm", "dp_comm", "pipeline", "dataloader", "observer")
+BUCKETS = ("forward", "backward", "optimizer", "tp_comm", "dp_comm", "pipeline", "dataloader", "loop", "observer")
 """Every bucket, in the report's order."""
 
 COMPUTE_BUCKETS = ("forward", "backward")
@@ -236,6 +238,7 @@ def _analyze_step(
     buckets["dp_comm"] = length(exposed["dp_comm"])
     loaders = [e for e in events if DATALOADER_MARK in e.name and previous_end <= e.start < step.start]
     buckets["dataloader"] = length(_spans(loaders))
+    buckets["loop"] = length(subtract([(previous_end, step.start)], _spans(loaders)))
     buckets["observer"] = length(observer)
     if pp:
         stage_f = _spans(e for e in inside if e.name.startswith(STAGE_PREFIX + "F"))

@@ -18,6 +18,7 @@ LABELS = {
     "dp_comm": "data-parallel collectives",
     "pipeline": "pipeline send/recv and idle (bubble)",
     "dataloader": "dataloader wait",
+    "loop": "Lightning's loop between steps",
     "observer": "par3d's own measuring",
 }
 
@@ -83,38 +84,60 @@ def diagnose(summaries: list[RankSummary], context: ReportContext) -> list[Findi
     return sorted(findings, key=lambda f: f.fraction, reverse=True)
 
 
+def _dataloader(share: str, context: ReportContext) -> str:
+    workers = "" if context.num_workers is None else f" (now {context.num_workers})"
+    return f"dataloader wait {share}: raise num_workers{workers}, and use pin_memory=True on GPUs."
+
+
+def _pipeline(share: str, context: ReportContext) -> str:
+    m, pp = context.microbatches, context.layout.pp
+    if context.schedule in ("gpipe", "1f1b"):
+        better = f"raise microbatches to {max(4 * pp, 2 * m)} or use interleaved_1f1b (virtual_stages=2)"
+    else:
+        better = f"raise microbatches to {max(4 * pp, 2 * m)} or use zbv_zero_bubble"
+    return f"pipeline idle {share} at microbatches={m} ({context.schedule}, pp={pp}): {better}."
+
+
+def _tp_comm(share: str, context: ReportContext) -> str:
+    node = f", and keep tp within a node ({context.devices_per_node} devices per node)"
+    return f"tensor-parallel all-reduce/all-gather {share}: lower tp (now {context.layout.tp}){node}."
+
+
+def _dp_comm(share: str, context: ReportContext) -> str:
+    layout = context.layout
+    if layout.zero == 3:
+        fix = (
+            "use zero_stage=2 or 1 (no per-block all-gathers), replicate across nodes (dp_replicate), "
+            "or raise the per-rank batch"
+        )
+    elif layout.zero == 0:
+        fix = "raise the per-rank batch or accumulate_grad_batches, or compress gradients (grad_compression)"
+    else:
+        fix = "raise the per-rank batch or accumulate_grad_batches"
+    return f"data-parallel collectives {share} (ZeRO-{layout.zero}, dp={layout.dp}): {fix}."
+
+
+_SUGGESTIONS = {
+    "dataloader": _dataloader,
+    "pipeline": _pipeline,
+    "tp_comm": _tp_comm,
+    "dp_comm": _dp_comm,
+    "optimizer": lambda share, _: f"optimizer step {share}: use a foreach/fused optimizer, or shard it (zero_stage=1).",
+    "loop": lambda share, _: (
+        f"Lightning's loop between steps {share}: log less often (log_every_n_steps), checkpoint less often, and keep "
+        "callbacks' per-step work light."
+    ),
+    "observer": lambda share, _: (
+        f"par3d's own measuring (MemoryStats) {share}: log less often (MemoryStats(log_every_n_steps=...))."
+    ),
+}
+
+
 def suggest(bucket: str, fraction: float, context: ReportContext) -> str:
     """A concrete suggestion for ``bucket`` at this share of the step."""
-    layout, share = context.layout, f"{fraction:.0%} of step"
-    if bucket == "dataloader":
-        workers = "" if context.num_workers is None else f" (now {context.num_workers})"
-        return f"dataloader wait {share}: raise num_workers{workers}, and use pin_memory=True on GPUs."
-    if bucket == "pipeline":
-        m, pp = context.microbatches, layout.pp
-        if context.schedule in ("gpipe", "1f1b"):
-            better = f"raise microbatches to {max(4 * pp, 2 * m)} or use interleaved_1f1b (virtual_stages=2)"
-        else:
-            better = f"raise microbatches to {max(4 * pp, 2 * m)} or use zbv_zero_bubble"
-        return f"pipeline idle {share} at microbatches={m} ({context.schedule}, pp={pp}): {better}."
-    if bucket == "tp_comm":
-        node = f", and keep tp within a node ({context.devices_per_node} devices per node)"
-        return f"tensor-parallel all-reduce/all-gather {share}: lower tp (now {layout.tp}){node}."
-    if bucket == "dp_comm":
-        if layout.zero == 3:
-            fix = (
-                "use zero_stage=2 or 1 (no per-block all-gathers), replicate across nodes (dp_replicate), "
-                "or raise the per-rank batch"
-            )
-        elif layout.zero == 0:
-            fix = "raise the per-rank batch or accumulate_grad_batches, or compress gradients (grad_compression)"
-        else:
-            fix = "raise the per-rank batch or accumulate_grad_batches"
-        return f"data-parallel collectives {share} (ZeRO-{layout.zero}, dp={layout.dp}): {fix}."
-    if bucket == "optimizer":
-        return f"optimizer step {share}: use a foreach/fused optimizer, or shard it (zero_stage=1)."
-    if bucket == "observer":
-        return f"par3d's own measuring (MemoryStats) {share}: log less often (MemoryStats(log_every_n_steps=...))."
-    return f"{LABELS.get(bucket, bucket)} {share}."
+    share = f"{fraction:.0%} of step"
+    make = _SUGGESTIONS.get(bucket)
+    return make(share, context) if make is not None else f"{LABELS.get(bucket, bucket)} {share}."
 
 
 def throughput(summaries: list[RankSummary], context: ReportContext) -> tuple[float | None, float | None]:
