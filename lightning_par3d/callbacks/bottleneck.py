@@ -82,6 +82,7 @@ class BottleneckReport(L.Callback):
         self._unconfigured: Any = None
         self._context_extra: dict[str, Any] = {}
         self._done = False
+        self._stopped = False
         self._seen = 0
         self._sampled = 0
 
@@ -109,6 +110,7 @@ class BottleneckReport(L.Callback):
                 _mark_stage_calls(stage)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self._stop_profiler()
         if self._sampling:
             if "tokens" not in self._context_extra:
                 self._context_extra.update(_batch_size(batch))
@@ -130,9 +132,9 @@ class BottleneckReport(L.Callback):
             while self._ranges:
                 self._close()
             self._sampled += 1
-            if self._sampled == self.steps + 1:  # the first marked step opens the window (see analyze_steps)
-                self._profiler.stop()
-                self._done = True
+            # The first marked step only opens the window (see analyze_steps). Stopping the profiler takes a while;
+            # it waits for the next batch's start, so that no sampled step's time includes it.
+            self._done = self._sampled == self.steps + 1
         self._seen += 1
         if self._profiler is None and self._seen == self.skip_first - 1:
             self._start_profiler()  # from here on: the next batch's data fetch, then the sampled steps
@@ -143,6 +145,11 @@ class BottleneckReport(L.Callback):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._profiler = profile(activities=activities)
         self._profiler.start()
+
+    def _stop_profiler(self) -> None:
+        if self._done and not self._stopped:
+            self._profiler.stop()
+            self._stopped = True
 
     def _open(self, name: str) -> None:
         if torch.cuda.is_available():
@@ -160,11 +167,10 @@ class BottleneckReport(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._profiler is None:
             return
-        if not self._done:  # training ended inside the sampled window
-            while self._ranges:
-                self._close()
-            self._profiler.stop()
-            self._done = True
+        while self._ranges:  # training ended inside the sampled window
+            self._close()
+        self._done = True
+        self._stop_profiler()
         directory = self._directory(trainer)
         events = _events(self._profiler)
         strategy = trainer.strategy
