@@ -33,6 +33,7 @@ from lightning_par3d.activation_checkpoint import apply_activation_checkpointing
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.memory import ModelStateBytes, SavedTensorMeter
 from lightning_par3d.mesh import Par3DMesh
+from lightning_par3d.parallelize import checked_plan
 from lightning_par3d.pipeline import TORCH_SCHEDULES, declared_pipeline
 from lightning_par3d.pipeline_split import (
     SINGLE_STAGE_SCHEDULES,
@@ -372,6 +373,7 @@ def _measure(
     """Tensor parallelism on ``part`` as a run applies it; then the bytes saved for backward by ``run``, first
     without checkpointing (block by block, for the recomputation peak) and then with it."""
     if device_mesh["tp"].size() > 1:
+        checked_plan(root, config, device_mesh["tp"].size())  # the run's checks and messages: no plan, bad patterns
         plan = find_plan(root, config.tp_plan)
         apply_tensor_parallel(part, device_mesh["tp"], expand_plan(part, plan, allow_missing=True))
     shapes = _local_shapes(part)

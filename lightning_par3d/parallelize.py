@@ -82,7 +82,7 @@ def parallelize(
     import torch.distributed as dist
 
     layout = mesh.layout
-    fqn_styles = _checked_plan(module, config, layout.tp)
+    fqn_styles = checked_plan(module, config, layout.tp)
     if layout.pp > 1:
         return module, _parallelize_pipeline(module, mesh, config, device, fqn_styles, precision)
     blocks = find_blocks(module, config.fsdp_blocks) if layout.dp > 1 and layout.dp_shard > 1 else []
@@ -139,7 +139,7 @@ def _compression(config: Par3DConfig) -> Compression | None:
     return Compression(config.grad_compression, config.powersgd_rank, config.powersgd_start_iter)
 
 
-def _checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, str]:
+def checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, str]:
     """The plan expanded over the whole model and checked, on every rank alike, before any data moves."""
     if tp == 1:
         return {}

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 
 from examples.gpt import GPTModule
 from lightning_par3d import Par3DConfig
@@ -137,3 +138,31 @@ def _estimate_inside_a_run() -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def test_a_plain_model_with_a_loss_function():
+    """A factory of an nn.Module and a loss: the same model state as the LightningModule's estimate."""
+    import torch.nn.functional as F
+
+    from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
+
+    def loss(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    config = {k: v for k, v in DEEP.items() if k not in ("lr", "eps")}
+    layout = Par3DConfig(tp=2, tp_plan=GPT_TP_PLAN)
+    plain = estimate_memory(lambda: GPT(GPTConfig(**config)), layout, 2, (8, 32), loss_fn=loss)
+    module = estimate_memory(GPTModule(**DEEP), Par3DConfig(tp=2), 2, (8, 32))
+    assert plain.rows[0].state == module.rows[0].state
+    assert abs(plain.rows[0].activations - module.rows[0].activations) <= 0.01 * module.rows[0].activations
+
+
+def test_estimator_errors_are_clear():
+    with pytest.raises(ValueError, match=r"optimizer='lion' is not known\. Allowed: adam, adamw, sgd, sgd_momentum"):
+        estimate_memory(GPTModule(**DEEP), Par3DConfig(), 2, (8, 32), optimizer="lion")
+    with pytest.raises(ValueError, match="tp=2 but Linear declares no tensor-parallel plan"):
+        estimate_memory(
+            lambda: torch.nn.Linear(2, 2), Par3DConfig(tp=2), 2, (8, 2), loss_fn=torch.nn.functional.mse_loss
+        )
+    with pytest.raises(TypeError, match="estimate_memory needs loss_fn"):
+        estimate_memory(lambda: torch.nn.Linear(2, 2), Par3DConfig(), 2, (8, 2))

@@ -21,16 +21,20 @@ FABRIC_DATA = {k: v for k, v in DATA.items()}
 
 
 def fabric_job(
-    devices: int, strategy: dict | None, steps: int = 6, clip: float | None = None, model: dict | None = None
+    devices: int,
+    strategy: dict | None,
+    steps: int = 6,
+    clip: float | None = None,
+    model: dict | None = None,
+    precision: str = "32-true",
 ) -> dict:
     from lightning_par3d import Par3DFabricStrategy
 
     if strategy is None:
-        fabric = L.Fabric(accelerator="cpu", devices=1)
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
     else:
-        fabric = L.Fabric(
-            accelerator="cpu", devices=devices, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy)
-        )
+        par3d = Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy)
+        fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=par3d, precision=precision)
     fabric.launch()
     losses, model, _ = fabric_train(
         fabric, steps, 8, {**FABRIC_MODEL, **(model or {})}, FABRIC_DATA, eps=MODEL["eps"], clip=clip, seed=SEED
@@ -38,7 +42,7 @@ def fabric_job(
     params = full_state(model)
     if params is not None:  # under pp the model is the trunk of a PipelineHost
         params = {k.removeprefix("trunk."): v for k, v in params.items()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
 
 
 @functools.cache
@@ -64,6 +68,18 @@ def test_fabric_pipeline_step_pp2_tp2(pool4):
     """`fabric.strategy.pipeline_step` runs the 1F1B schedule at pp=2 × tp=2, with clipping over both stages."""
     got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), clip=0.5, model=dict(n_layer=4))[0]
     assert_parity(got, fabric_reference(0.5, n_layer=4))
+
+
+def test_fabric_bf16_mixed_pipeline_step(pool4):
+    """Fabric's precision='bf16-mixed' at pp=2 × tp=2: pipeline_step runs the schedule under the precision's
+    autocast; fp32 weights, losses within bf16-mixed's bound of fp32 (see tests/test_precision.py)."""
+    from tests.test_precision import BF16_MIXED_RTOL
+
+    got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), model=dict(n_layer=4), precision="bf16-mixed")
+    ref = fabric_reference(None, n_layer=4)["losses"]
+    relative = [abs(a - b) / b for a, b in zip(got[0]["losses"], ref, strict=True)]
+    assert got[0]["dtypes"] == ["torch.float32"]
+    assert 0 < max(relative) <= BF16_MIXED_RTOL, relative
 
 
 def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path):
