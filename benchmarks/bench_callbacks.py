@@ -47,6 +47,7 @@ def throughput_run(observe: bool, steps: int, log_every: int = 50) -> float:
     """Steps per second of one run (the slowest rank's time), with or without the callbacks."""
     import torch.distributed as dist
 
+    from benchmarks.bench_strategies import quiet_trainer
     from lightning_par3d import Par3DStrategy
     from lightning_par3d.callbacks import BottleneckReport, MemoryStats
 
@@ -59,18 +60,7 @@ def throughput_run(observe: bool, steps: int, log_every: int = 50) -> float:
             MemoryStats(dirpath=out, log_every_n_steps=log_every, verbose=False),
             BottleneckReport(skip_first=5, steps=3, dirpath=out, verbose=False),
         ]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=Par3DStrategy(dp_shard=2, tp=2),
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(Par3DStrategy(dp_shard=2, tp=2), WORLD, steps, callbacks, accelerator="cpu")
     data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // 2, max_bytes=200_000)
     trainer.fit(GPTModule(**MODEL), data)
     seconds = torch.tensor(timer.seconds)

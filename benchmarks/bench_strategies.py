@@ -107,14 +107,16 @@ def make_strategy(name: str) -> Any:
     raise ValueError(name)
 
 
-def quiet_trainer(strategy: Any, devices: int, steps: int, callback: L.Callback, accelerator: str) -> L.Trainer:
+def quiet_trainer(
+    strategy: Any, devices: int, steps: int, callback: L.Callback | list[L.Callback], accelerator: str
+) -> L.Trainer:
     """A Trainer that only trains: no logger, checkpoints, progress bar, summary or validation."""
     return L.Trainer(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[callback],
+        callbacks=callback if isinstance(callback, list) else [callback],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

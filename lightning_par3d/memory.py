@@ -124,7 +124,7 @@ class SavedTensorMeter:
         if _is_parameter(t) or local_tensor(t).is_meta:  # meta: torch's pipeline shape inference holds no memory
             return
         storage = local_tensor(t).untyped_storage()
-        key = id(storage)
+        key = storage_key(t)
         if key in self._counted:
             return
         nbytes = int(storage.nbytes())

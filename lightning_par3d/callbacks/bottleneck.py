@@ -21,7 +21,6 @@ and prints a short version. Writing happens after training, so it does not slow 
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from lightning_par3d.callbacks.bottleneck_findings import (
     render_markdown,
     short_summary,
 )
+from lightning_par3d.callbacks.run_files import output_directory, unconfigured_copy
 from lightning_par3d.callbacks.timeline import Block, plot_timeline
 
 
@@ -94,13 +94,10 @@ class BottleneckReport(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero:
             # For measure_flops: a copy before configure_model (and before par3d shards it), to build on meta.
-            mesh, pl_module._device_mesh = getattr(pl_module, "_device_mesh", None), None
             try:
-                self._unconfigured = copy.deepcopy(pl_module)
+                self._unconfigured = unconfigured_copy(pl_module)
             except Exception:  # the FLOPs figure is optional; a module that cannot be copied just lacks it
                 self._unconfigured = None
-            finally:
-                pl_module._device_mesh = mesh
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runner = getattr(pl_module, "_par3d_pipeline", None)
@@ -171,7 +168,7 @@ class BottleneckReport(L.Callback):
             self._close()
         self._done = True
         self._stop_profiler()
-        directory = self._directory(trainer)
+        directory = output_directory(trainer, self.dirpath)
         events = _events(self._profiler)
         strategy = trainer.strategy
         pp = getattr(getattr(strategy, "layout", None), "pp", 1) > 1
@@ -199,9 +196,6 @@ class BottleneckReport(L.Callback):
             rank_zero_info(
                 short_summary(self.summaries, self.findings, context) + f"\n  full report: {self.report_path}"
             )
-
-    def _directory(self, trainer: L.Trainer) -> Path:
-        return output_directory(trainer, self.dirpath)
 
     def _context(self, trainer: L.Trainer, sampled: int) -> ReportContext:
         from lightning_par3d.config import Layout
@@ -244,19 +238,6 @@ class BottleneckReport(L.Callback):
             return None, None
         dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else torch.float32
         return flops, get_available_flops(trainer.strategy.root_device, dtype)
-
-
-def output_directory(trainer: L.Trainer, dirpath: Path | None) -> Path:
-    """``dirpath``, else the logger's directory, else ``trainer.default_root_dir``: rank 0's choice on every rank."""
-    if dirpath is not None:
-        directory = dirpath
-    elif trainer.logger is not None and trainer.logger.log_dir is not None:
-        directory = Path(trainer.logger.log_dir)
-    else:
-        directory = Path(trainer.default_root_dir)
-    directory = Path(trainer.strategy.broadcast(str(directory)))
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def _batch_size(batch: Any) -> dict[str, Any]:

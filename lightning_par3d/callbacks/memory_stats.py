@@ -41,9 +41,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_par3d.callbacks.bottleneck import output_directory
 from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
 from lightning_par3d.callbacks.memory_report import format_summary, plot_memory, write_csv
+from lightning_par3d.callbacks.run_files import output_directory, unconfigured_copy
 from lightning_par3d.memory import SavedTensorMeter, model_state_bytes
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -120,15 +120,11 @@ class MemoryStats(L.Callback):
     # ---------------------------------------------------------------- measuring
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and self.estimate and trainer.is_global_zero:
-            # The live mesh stays in this process.
-            mesh, pl_module._device_mesh = getattr(pl_module, "_device_mesh", None), None
             try:  # the LightningModule before configure_model: what the estimator builds on fake tensors
-                self._unconfigured = pickle.dumps(pl_module)
+                self._unconfigured = pickle.dumps(unconfigured_copy(pl_module))
             except Exception as err:  # the comparison is optional; say why it is missing
                 self._unconfigured = None
                 rank_zero_info(f"MemoryStats: no estimate to compare with ({type(err).__name__}: {err}).")
-            finally:
-                pl_module._device_mesh = mesh
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         if self._unconfigured is not None and self._batch is None:
