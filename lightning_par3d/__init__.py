@@ -10,15 +10,17 @@ Importing the package registers the strategy as ``"par3d"`` for both ``lightning
 """
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.estimate import MemoryEstimate, estimate_memory
-from lightning_par3d.fabric import Par3DFabricStrategy
-from lightning_par3d.gradients import clip_grad_norm_, total_grad_norm
-from lightning_par3d.memory import ModelStateBytes, SavedTensorMeter, model_state_bytes
-from lightning_par3d.mesh import Par3DMesh
-from lightning_par3d.parallelize import parallelize
-from lightning_par3d.strategy import Par3DStrategy
-from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
-from lightning_par3d.zero import ZeroOptimizer
+from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.integrations.fabric import Par3DFabricStrategy
+from lightning_par3d.integrations.trainer import Par3DStrategy
+from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
+from lightning_par3d.parallel.gradients import clip_grad_norm_, total_grad_norm
+from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.parallel.parallelize import parallelize
+from lightning_par3d.parallel.styles import STYLE_NAMES
+from lightning_par3d.zero.formula import ModelStateBytes
+from lightning_par3d.zero.optimizer import ZeroOptimizer
 
 __all__ = [
     "STYLE_NAMES",
@@ -26,6 +28,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelStateBytes",
     "Par3DConfig",
+    "Par3DEngine",
     "Par3DFabricStrategy",
     "Par3DMesh",
     "Par3DStrategy",

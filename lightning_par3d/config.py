@@ -7,14 +7,22 @@ in the launching process with a message that names the value, what is allowed, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_par3d.activation_checkpoint import AC_MODES
-from lightning_par3d.pipeline_split import SCHEDULE_NAMES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from lightning_par3d.tensor_parallel_styles import STYLE_NAMES
+from lightning_par3d.parallel.styles import STYLE_NAMES, unknown_style_message
+from lightning_par3d.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    stage_indices,
+    stage_owner,
+    stages_per_rank,
+)
 
-INIT_MODES = ("rank0", "meta")
+AC_MODES = ("none", "full", "selective", "op")
+"""Activation checkpointing modes (see :mod:`lightning_par3d.parallel.activation_checkpoint`)."""
+INIT_MODES = ("rank0", "meta", "pretrained")
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")
 
@@ -51,7 +59,7 @@ class Par3DConfig:
 
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous part of the model's blocks. 1 means disabled.
-    Needs the LightningModule to declare ``pipeline_trunk`` and ``pipeline_loss`` (see lightning_par3d.pipeline)."""
+    Needs the model to declare ``pipeline_trunk`` and ``pipeline_loss`` (see lightning_par3d.pipeline.trunk)."""
 
     pipeline_schedule: str = "1f1b"
     """The torch.distributed.pipelining schedule: ``gpipe``, ``1f1b`` (one stage per rank),
@@ -69,10 +77,12 @@ class Par3DConfig:
     """Block names where stages 2, 3, … begin (``["transformer.h.2"]``). Empty: split the blocks automatically,
     balancing parameter counts with the embedding on the first stage and the head on the last."""
 
-    tp_plan: dict[str, str] = field(default_factory=dict)
-    """When not empty, replaces the LightningModule's ``tp_plan``: module-name pattern → style. A ``*`` stands for
-    one name segment (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a
-    Hugging Face ``base_model_tp_plan`` works unchanged. Styles: see :data:`STYLE_NAMES`."""
+    tp_plan: Any = field(default_factory=dict)
+    """When not empty, replaces the model's ``tp_plan``: a dict of module-name pattern → style, or ``"auto"`` (the
+    plan of the Hugging Face transformers model inside the module). A ``*`` stands for one name segment
+    (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a transformers
+    ``tp_plan`` or ``base_model_tp_plan`` works unchanged. Styles: see
+    :mod:`lightning_par3d.parallel.styles`."""
 
     fsdp_blocks: str | None = None
     """Module-name pattern of the blocks that FSDP2 wraps one by one before the root (``"transformer.h.*"``).
@@ -87,7 +97,7 @@ class Par3DConfig:
     """Recompute activations in backward instead of keeping them: ``"none"``, ``"full"`` (every block),
     ``"selective"`` (every ``ac_every``-th block), or ``"op"`` (every block, saving only matmul, attention and
     collective outputs). Applied after tensor parallelism and before FSDP2 (see
-    lightning_par3d.activation_checkpoint)."""
+    lightning_par3d.parallel.activation_checkpoint)."""
 
     ac_every: int = 2
     """With ``activation_checkpointing="selective"``: checkpoint the 1st, the ``1 + ac_every``-th, … block."""
@@ -118,7 +128,13 @@ class Par3DConfig:
     from the seed (the exact weights a single process gets) and every rank receives only its shards by broadcast;
     no other rank ever holds a full copy. ``"meta"``: no rank builds a full copy; each rank initialises its own
     shards with the modules' ``reset_parameters()``. Faster for huge models, but the values differ from a
-    single-process run."""
+    single-process run. ``"pretrained"``: no rank builds a full copy; each rank reads only its own slices of a
+    Hugging Face ``save_pretrained`` directory (safetensors) into its shards (:mod:`lightning_par3d.checkpoint.hf`).
+    """
+
+    pretrained_path: str | None = None
+    """With ``init="pretrained"``: the local ``save_pretrained`` directory to read. None: the directory the
+    transformers model's config was loaded from (``AutoConfig.from_pretrained(path)``)."""
 
     seed: int | None = None
     """If set, every rank is seeded with it right before ``configure_model``. None keeps the seed of
@@ -127,17 +143,45 @@ class Par3DConfig:
     timeout_s: float = 1800.0
     """Timeout in seconds of every collective. A rank that waits longer raises instead of hanging."""
 
+    @classmethod
+    def from_accelerate(cls, parallelism_config: Any, **fields: Any) -> Par3DConfig:
+        """The par3d config of an Accelerate ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` and
+        ``tp_size`` map onto ``dp_replicate``, ``dp_shard`` and ``tp``; ``fields`` add par3d's own (``pp=2``,
+        ``zero_stage=1``, …). Context and sequence parallelism (``cp_size``, ``sp_size`` > 1) are refused."""
+        refused = [
+            f"{name}={getattr(parallelism_config, name)}"
+            for name in ("cp_size", "sp_size")
+            if (getattr(parallelism_config, name, 1) or 1) > 1
+        ]
+        if refused:
+            raise ValueError(
+                f"par3d does not support context or sequence parallelism yet ({', '.join(refused)}). Set them to 1; "
+                "par3d offers pp, dp_replicate, dp_shard and tp."
+            )
+        mapped = {
+            "dp_replicate": getattr(parallelism_config, "dp_replicate_size", None) or 1,
+            "dp_shard": getattr(parallelism_config, "dp_shard_size", None) or 1,
+            "tp": getattr(parallelism_config, "tp_size", None) or 1,
+        }
+        return cls(**{**mapped, **fields})
+
     def __post_init__(self) -> None:
         # Hydra hands over DictConfig nodes; keep plain Python types inside the config.
-        if not isinstance(self.tp_plan, dict):
+        if not isinstance(self.tp_plan, (dict, str)):
             self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
         if not isinstance(self.split_points, list):
             self.split_points = list(self.split_points)
 
 
+DATA_PARALLEL_ENGINES = ("none", "ddp", "fsdp", "zero")
+"""What serves the data-parallel dimension: nothing (dp = 1), torch DDP (pure replication without tp or pp),
+FSDP2 (ZeRO-3, HSDP, or replication under tp or pp as one unit), or par3d's ZeRO-1/2 optimizer wrapper."""
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The resolved sizes of the four mesh dimensions, outermost first, and the ZeRO stage over ``dp_shard``."""
+    """A run's resolved layout: the sizes of the four mesh dimensions, outermost first, the ZeRO stage, the pipeline
+    schedule, and every fact derived from them, computed here once and read by every layer."""
 
     pp: int
     dp_replicate: int
@@ -145,6 +189,14 @@ class Layout:
     tp: int
     zero_stage: int | None = None
     """None: the default, 3 when ``dp_shard > 1`` else 0 (see :attr:`zero`)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (used under pp > 1)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank as configured (the V schedules always hold 2: see :attr:`stages_per_rank`)."""
+    microbatches: int = 4
+    """Microbatches per batch under pp > 1."""
+    reshard_after_forward_setting: bool | None = None
+    """The configured ``reshard_after_forward``; :attr:`reshard_after_forward` resolves its default."""
 
     @property
     def zero(self) -> int:
@@ -161,6 +213,52 @@ class Layout:
     def dp(self) -> int:
         """The whole data-parallel size: ranks that see different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(pp, dp_replicate, dp_shard, tp)``: the mesh's shape."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    # ---------------------------------------------------------------- data parallel
+    @property
+    def data_parallel(self) -> str:
+        """Which engine serves the data-parallel dimension: one of :data:`DATA_PARALLEL_ENGINES`."""
+        if self.dp == 1:
+            return "none"
+        if self.zero in (1, 2):
+            return "zero"
+        if self.dp_shard == 1 and self.tp == 1 and self.pp == 1:
+            return "ddp"
+        return "fsdp"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's ``reshard_after_forward``: as configured, else True, except under pp, where parameters stay
+        gathered across the microbatches of a step."""
+        if self.reshard_after_forward_setting is not None:
+            return self.reshard_after_forward_setting
+        return self.pp == 1
+
+    # ---------------------------------------------------------------- pipeline
+    @property
+    def stages_per_rank(self) -> int:
+        return stages_per_rank(self.schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (1 without pipelining)."""
+        return self.pp * self.stages_per_rank
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The global stage indices pipeline rank ``pp_rank`` holds."""
+        if self.pp == 1:
+            return [0]
+        return stage_indices(self.schedule, pp_rank, self.pp, self.virtual_stages)
+
+    @property
+    def last_stage_owner(self) -> int:
+        """The pipeline rank that holds the last stage (where the loss and the outputs are)."""
+        return stage_owner(self.schedule, self.n_stages - 1, self.pp) if self.pp > 1 else 0
 
     def __str__(self) -> str:
         return f"pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × tp={self.tp}"
@@ -184,6 +282,16 @@ def _check_positive_int(errors: _Errors, name: str, value: Any, meaning: str) ->
         errors.add(f"{name}={value!r} must be a positive integer ({meaning}). Use 1 to disable it.")
 
 
+def _check_init(config: Par3DConfig, errors: _Errors) -> None:
+    if config.init not in INIT_MODES:
+        errors.add(f"init={config.init!r} is not an init mode. Allowed: {', '.join(map(repr, INIT_MODES))}.")
+    if config.pretrained_path is not None and config.init != "pretrained":
+        errors.add(
+            f"pretrained_path={config.pretrained_path!r} is set but init={config.init!r}: set init='pretrained' to "
+            "load it, or drop pretrained_path."
+        )
+
+
 def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     """Checks that need no world size."""
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
@@ -194,8 +302,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     if config.dp is not None:
         _check_positive_int(errors, "dp", config.dp, "whole data-parallel size")
     _check_pipeline(config, errors)
-    if config.init not in INIT_MODES:
-        errors.add(f"init={config.init!r} is not an init mode. Allowed: {', '.join(map(repr, INIT_MODES))}.")
+    _check_init(config, errors)
     if not isinstance(config.timeout_s, (int, float)) or config.timeout_s <= 0:
         errors.add(f"timeout_s={config.timeout_s!r} must be a positive number of seconds.")
     _check_zero_static(config, errors)
@@ -205,12 +312,15 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
             f"{', '.join(map(repr, AC_MODES))}."
         )
     _check_positive_int(errors, "ac_every", config.ac_every, "checkpoint every n-th block under 'selective'")
-    for pattern, style in (config.tp_plan or {}).items():
-        if style not in STYLE_NAMES:
-            errors.add(
-                f"tp_plan[{pattern!r}]={style!r} is not a tensor-parallel style. "
-                f"Allowed: {', '.join(map(repr, STYLE_NAMES))}."
-            )
+    if isinstance(config.tp_plan, dict):
+        for pattern, style in config.tp_plan.items():
+            if style not in STYLE_NAMES:
+                errors.add(unknown_style_message(pattern, style))
+    elif config.tp_plan != "auto":
+        errors.add(
+            f"tp_plan={config.tp_plan!r} must be a dict of module-name pattern → style, or 'auto' (the transformers "
+            "model's own plan)."
+        )
 
 
 def _check_zero_static(config: Par3DConfig, errors: _Errors) -> None:
@@ -337,7 +447,15 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
         return None
     dp_shard = _resolve_dp_shard(config, world_size, errors)
     layout = Layout(
-        pp=config.pp, dp_replicate=config.dp_replicate, dp_shard=dp_shard, tp=config.tp, zero_stage=config.zero_stage
+        pp=config.pp,
+        dp_replicate=config.dp_replicate,
+        dp_shard=dp_shard,
+        tp=config.tp,
+        zero_stage=config.zero_stage,
+        schedule=config.pipeline_schedule,
+        virtual_stages=config.virtual_stages,
+        microbatches=config.microbatches,
+        reshard_after_forward_setting=config.reshard_after_forward,
     )
     if config.dp is not None and layout.dp != config.dp:
         errors.add(
@@ -355,5 +473,5 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
     errors.raise_if_any()
     if layout.zero == 0 and layout.dp_shard > 1:
         # Stage 0 shards nothing: the dp_shard ranks are replicas like dp_replicate's.
-        layout = Layout(layout.pp, layout.dp_replicate * layout.dp_shard, 1, layout.tp, zero_stage=0)
+        layout = replace(layout, dp_replicate=layout.dp_replicate * layout.dp_shard, dp_shard=1, zero_stage=0)
     return layout

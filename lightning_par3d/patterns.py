@@ -24,11 +24,29 @@ def find_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
 
 def repeated_members(module: nn.Module) -> list[nn.Module]:
     """The members of an ``nn.ModuleList`` or ``nn.ModuleDict`` that holds two or more modules of one type (a
-    transformer's blocks); empty for anything else."""
+    transformer's blocks; pipeline placeholders of the blocks another stage holds do not count); empty for anything
+    else."""
     if isinstance(module, nn.ModuleDict):
         members = list(module.values())
     elif isinstance(module, nn.ModuleList):
         members = list(module)
     else:
         return []
+    members = [m for m in members if type(m).__name__ != "NotOnThisStage"]
     return members if len(members) > 1 and len({type(m) for m in members}) == 1 else []
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face transformers model (a ``PreTrainedModel``), found without importing
+    transformers."""
+    return any(
+        c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(module).__mro__
+    )
+
+
+def find_transformers_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost Hugging Face transformers model in ``module`` (``module`` itself included), with its name."""
+    for name, sub in module.named_modules():
+        if is_transformers_model(sub):
+            return name, sub
+    return None

@@ -86,13 +86,18 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return merged
 
 
-def run_reference(max_steps: int = 6, model: dict[str, Any] | None = None, **trainer_overrides: Any) -> dict:
+def run_reference(
+    max_steps: int = 6,
+    model: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    **trainer_overrides: Any,
+) -> dict:
     """The single-process run (Lightning's default strategy on one CPU device)."""
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **trainer_overrides))
     module = GPTModule(**{**MODEL, **(model or {})})
-    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **DATA))
+    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **{**DATA, **(data or {})}))
     return {"losses": recorder.losses, "params": full_state(module)}
 
 

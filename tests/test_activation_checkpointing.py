@@ -12,7 +12,7 @@ import torch
 
 from examples.gpt import GPT, Block, GPTConfig
 from lightning_par3d import Par3DConfig, resolve_layout
-from lightning_par3d.activation_checkpoint import apply_activation_checkpointing, find_ac_blocks
+from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing, find_ac_blocks
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_par3d, run_reference
 
@@ -106,7 +106,7 @@ class StepProbe(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        from lightning_par3d.memory import SavedTensorMeter
+        from lightning_par3d.memory.meters import SavedTensorMeter
 
         if idx == 2:
             self.meter = SavedTensorMeter().__enter__()

@@ -110,7 +110,7 @@ def observed_job(strategy: dict, devices: int, out: str, delay: float = 0.0, ste
     from examples.gpt import GPTModule
     from lightning_par3d import Par3DStrategy
     from lightning_par3d.callbacks import BottleneckReport, MemoryStats
-    from lightning_par3d.memory import optimizer_state_tensors
+    from lightning_par3d.memory.meters import optimizer_state_tensors
     from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL, trainer_kwargs
 
     class Data(ShakespeareDataModule):
@@ -130,7 +130,7 @@ def observed_job(strategy: dict, devices: int, out: str, delay: float = 0.0, ste
     module = GPTModule(**{**MODEL, "n_layer": 4})
     data = Data(batch_size=GLOBAL_BATCH // par3d.layout.dp, **{**DATA, "max_bytes": 20_000})
     trainer.fit(module, data)
-    from lightning_par3d.tensor_parallel import local_tensor
+    from lightning_par3d.parallel.tensor_parallel import local_tensor
 
     params = [local_tensor(p) for p in module.parameters()]
     states = [local_tensor(t) for opt in trainer.optimizers for t in optimizer_state_tensors(opt)]

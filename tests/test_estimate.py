@@ -11,7 +11,7 @@ import torch
 
 from examples.gpt import GPTModule
 from lightning_par3d import Par3DConfig
-from lightning_par3d.estimate import estimate_memory
+from lightning_par3d.memory.estimate import estimate_memory
 from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL
 
 DEEP = {**MODEL, "n_layer": 4}
@@ -29,7 +29,7 @@ class MemoryProbe(L.Callback):
         self.state: Any = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        from lightning_par3d.memory import SavedTensorMeter
+        from lightning_par3d.memory.meters import SavedTensorMeter
 
         self.meter = SavedTensorMeter().__enter__()
 
@@ -39,7 +39,7 @@ class MemoryProbe(L.Callback):
             self.activations = max(self.activations, self.meter.peak)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        from lightning_par3d.memory import model_state_bytes
+        from lightning_par3d.memory.meters import model_state_bytes
 
         if trainer.global_step == 1:
             self.state = model_state_bytes(pl_module, trainer.optimizers)
@@ -166,3 +166,18 @@ def test_estimator_errors_are_clear():
         )
     with pytest.raises(TypeError, match="estimate_memory needs loss_fn"):
         estimate_memory(lambda: torch.nn.Linear(2, 2), Par3DConfig(), 2, (8, 2))
+
+
+def test_a_transformers_model_pipelines_in_the_estimate_as_in_a_run():
+    """The estimator splits a transformers decoder as a run does (each stage runs its own part of the model's
+    forward): the first stage holds the embedding's activations and more microbatches in flight, the last the
+    logits."""
+    from examples.hf_llama import CausalLMModule
+
+    module = CausalLMModule(num_hidden_layers=2)
+    batch = (torch.zeros(16, 64, dtype=torch.long), torch.zeros(16, 64, dtype=torch.long))
+    estimate = estimate_memory(module, Par3DConfig(pp=2, dp_shard=2, tp=2, microbatches=4), 8, batch)
+    first, last = estimate.rows
+    assert first.ranks == (0, 1, 2, 3) and last.ranks == (4, 5, 6, 7)
+    assert first.in_flight == 2 and last.in_flight == 1
+    assert all(r.activations_per_microbatch[0] > 0 and r.state.total > 0 for r in estimate.rows)

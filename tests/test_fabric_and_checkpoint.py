@@ -150,7 +150,7 @@ def fabric_checkpoint_job(strategy: dict, path: str) -> dict:
 
 def _per_parameter_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[dict]:
     """The optimizer state of each parameter in order; a ZeRO wrapper's is that of this rank's rows."""
-    from lightning_par3d.zero import zero_optimizers
+    from lightning_par3d.zero.optimizer import zero_optimizers
 
     zero = zero_optimizers([optimizer])
     if zero:

@@ -15,10 +15,11 @@ from omegaconf import read_write
 
 from examples.train import build_trainer
 from lightning_par3d import Par3DStrategy
-from lightning_par3d.hydra import register_configs
+from lightning_par3d.integrations.hydra import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+LAUNCH_CONFIGS = "accelerate"  # conf/accelerate/: `accelerate launch --config_file` files, not a Hydra group
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != LAUNCH_CONFIGS)
 
 
 def compose_train(overrides: list[str]):
@@ -82,3 +83,26 @@ def test_bad_value_fails_with_par3d_message():
     cfg = compose_train(["strategy.tp=3", "trainer.devices=4"])
     with pytest.raises(InstantiationException, match="needs the world size \\(4\\) to be divisible by"):
         build_trainer(cfg)
+
+
+@pytest.mark.parametrize("name", ["cpu4", "gpu8"])
+def test_accelerate_launch_configs_are_accelerate_configs(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(CONF / LAUNCH_CONFIGS / f"{name}.yaml"))
+    assert config.distributed_type == "MULTI_GPU"  # N processes through torchrun (MULTI_CPU would start one)
+    assert config.num_processes == {"cpu4": 4, "gpu8": 8}[name]
+
+
+def test_accelerate_example_reads_the_apps_groups():
+    from examples.accelerate_train import load_config, par3d_config
+
+    GlobalHydra.instance().clear()
+    cfg = load_config(["strategy.pp=2", "strategy.tp=2", "steps=3"])
+    config = par3d_config(cfg, instantiate(cfg.model))
+    assert (config.pp, config.tp, cfg.steps) == (2, 2, 3)
+    assert config.tp_plan["lm_head"] == "colwise_rep"  # the example module's own plan
+    GlobalHydra.instance().clear()
+    cfg = load_config(["model=hf_llama", "model.pretrained_path=/some/dir"])
+    config = par3d_config(cfg, instantiate(cfg.model))
+    assert (config.tp_plan, config.init, config.pretrained_path) == ("auto", "pretrained", "/some/dir")

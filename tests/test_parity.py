@@ -90,7 +90,7 @@ def test_fsdp_blocks_pattern():
     import torch
 
     from examples.gpt import GPT, GPTConfig
-    from lightning_par3d.data_parallel import find_blocks
+    from lightning_par3d.parallel.data_parallel import find_blocks
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=3))

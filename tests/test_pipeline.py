@@ -12,7 +12,8 @@ from torch import nn
 
 from examples.gpt import GPT, GPTConfig
 from lightning_par3d import Par3DConfig, resolve_layout
-from lightning_par3d.pipeline_split import balanced_split, explicit_split, find_trunk_parts, stage_indices
+from lightning_par3d.pipeline.schedules import stage_indices
+from lightning_par3d.pipeline.split import balanced_split, explicit_split, find_trunk_parts
 from tests.conftest import assert_parity, assert_resume_continues
 from tests.gpt_runs import run_par3d, run_reference
 from tests.harness import RankError
@@ -37,8 +38,9 @@ def test_trunk_parts_of_the_gpt():
     parts = find_trunk_parts(meta_gpt())
     assert parts.container == "transformer.h"
     assert parts.blocks == tuple(f"transformer.h.{i}" for i in range(4))
-    assert parts.head == ("transformer.wte", "transformer.wpe", "transformer.drop")
+    assert parts.head == ("transformer.wte", "transformer.wpe")
     assert parts.tail == ("transformer.ln_f", "lm_head")
+    assert parts.shared == ("transformer.drop",)  # no parameters: every stage uses the trunk's own
 
 
 def test_balanced_split_accounts_for_embedding_and_head():

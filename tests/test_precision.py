@@ -138,7 +138,7 @@ class InfOnRankOne(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: object) -> None:
         if trainer.global_step == 0 and trainer.global_rank == 1:
-            from lightning_par3d.tensor_parallel import local_tensor
+            from lightning_par3d.parallel.tensor_parallel import local_tensor
 
             grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
             local_tensor(grad).view(-1)[0] = float("inf")
@@ -148,7 +148,7 @@ def fp16_job(strategy: dict, inject_inf: bool) -> dict:
     """16-mixed on CPU through an explicit plugin (Lightning's connector would turn the flag into bf16 there)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_par3d.precision import GlobalGradScaler
+    from lightning_par3d.parallel.precision import GlobalGradScaler
 
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     callbacks = [InfOnRankOne()] if inject_inf else []

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
+from lightning_par3d.parallel.tensor_parallel import check_divisibility, expand_plan, find_plan
 from lightning_par3d.patterns import matches
-from lightning_par3d.tensor_parallel import check_divisibility, expand_plan, find_plan
 from tests.harness import RankError
 
 
@@ -77,7 +77,7 @@ def test_pattern_matching_nothing_names_the_pattern_and_the_real_names():
 
 
 def test_unknown_style_and_conflicting_patterns():
-    with pytest.raises(ValueError, match="'lm_head'\\]='vocab' is not a style"):
+    with pytest.raises(ValueError, match="'lm_head'\\]='vocab' is not a tensor-parallel style"):
         expand_plan(meta_gpt(), {"lm_head": "vocab"})
     with pytest.raises(ValueError, match="matched with two styles, 'colwise' and 'rowwise'"):
         expand_plan(meta_gpt(), {"h.*.mlp.c_fc": "colwise", "mlp.c_fc": "rowwise"})
@@ -132,12 +132,15 @@ def test_find_plan_sources():
 
 
 class StyleNet(nn.Module):
-    """Exercises every style: vocab-parallel embedding, replicated norm, colwise→rowwise pair, rowwise_rep on a
-    replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, and a colwise_rep head."""
+    """Exercises the styles: vocab- and width-parallel embeddings, replicated norm, colwise→rowwise pairs,
+    rowwise_split_input on a replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, a packed
+    [gate; up] projection feeding a rowwise one and another feeding a packed_rowwise one, a per-head norm whose
+    gradient is summed over the ranks, and a gathered head; 4.x names beside 5.x ones."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(16, 8)
+        self.emb_cols = nn.Embedding(16, 8)
         self.norm = nn.LayerNorm(8)
         self.up = nn.Linear(8, 16)
         self.down = nn.Linear(16, 8)
@@ -147,28 +150,49 @@ class StyleNet(nn.Module):
         self.sp_norm = nn.LayerNorm(8)
         self.sp_up = nn.Linear(8, 16)
         self.sp_down = nn.Linear(16, 8)
+        self.gate_up = nn.Linear(8, 32)  # [gate (16); up (16)]
+        self.gated_down = nn.Linear(16, 8)
+        self.pair = nn.Linear(8, 32)  # [a (16); b (16)]
+        self.pair_down = nn.Linear(32, 8)  # its input is [a | b]
+        self.heads = nn.Linear(8, 16)  # 4 heads of 4
+        self.head_norm = nn.LayerNorm(4)  # per head, on each rank's own heads
+        self.heads_out = nn.Linear(16, 8)
         self.head = nn.Linear(8, 16)
 
     plan = {
         "emb": "embedding_rowwise",
+        "emb_cols": "embedding_colwise",
         "norm": "replicate",
         "up": "colwise",
         "down": "rowwise",
-        "mix": "rowwise_rep",
-        "sp_in": "colwise",
+        "mix": "rowwise_split_input",
+        "sp_in": "local_colwise",
         "sp_out": "rowwise_seq",
         "sp_norm": "sequence_parallel",
         "sp_up": "colwise_seq",
-        "sp_down": "rowwise",
-        "head": "colwise_rep",
+        "sp_down": "local_rowwise",
+        "gate_up": "packed_colwise",
+        "gated_down": "rowwise",
+        "pair": "packed_colwise",
+        "pair_down": "local_packed_rowwise",
+        "heads": "colwise",
+        "head_norm": "replicated_with_grad_allreduce",
+        "heads_out": "rowwise",
+        "head": "colwise_gather_output",
     }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.norm(self.emb(idx))  # (B, T, 8)
+        x = self.norm(self.emb(idx) + self.emb_cols(idx))  # (B, T, 8)
         x = x + self.down(torch.relu(self.up(x)))  # (B, T, 8)
         x = x + self.mix(x)  # (B, T, 8)
         s = self.sp_norm(self.sp_out(torch.relu(self.sp_in(x))))  # (B, T / tp, 8) sequence-sharded
         x = x + self.sp_down(torch.relu(self.sp_up(s)))  # (B, T, 8)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, 16 / tp) each: this rank's matching parts
+        x = x + self.gated_down(torch.nn.functional.silu(gate) * up)  # (B, T, 8)
+        x = x + self.pair_down(torch.tanh(self.pair(x)))  # (B, T, 8)
+        h = self.heads(x)  # (B, T, 16 / tp): this rank's heads
+        h = self.head_norm(h.view(*h.shape[:2], -1, 4)).flatten(2)  # (B, T, 16 / tp)
+        x = x + self.heads_out(h)  # (B, T, 8)
         return self.head(x)  # (B, T, 16)
 
 
@@ -178,7 +202,7 @@ def style_parity_job(plan: dict[str, str]) -> float:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_par3d.tensor_parallel import apply_tensor_parallel
+    from lightning_par3d.parallel.tensor_parallel import apply_tensor_parallel
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -207,11 +231,65 @@ def style_parity_job(plan: dict[str, str]) -> float:
 
 
 def test_every_style_matches_one_process(pool2):
-    from lightning_par3d import STYLE_NAMES
+    from lightning_par3d.parallel.styles import CANONICAL_STYLES, canonical
 
-    assert set(StyleNet.plan.values()) == set(STYLE_NAMES)
+    # Every style but the two that need no split of their own (tested below on local shards).
+    assert {canonical(s) for s in StyleNet.plan.values()} == set(CANONICAL_STYLES) - {"all_reduce", "local_params"}
     worst = pool2.run(style_parity_job, plan=StyleNet.plan)
     assert max(worst) <= 1e-5, worst
+
+
+def local_styles_job() -> dict:
+    """all_reduce sums each rank's partial output (backward: the identity); local_params computes on local shards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_par3d.parallel.styles import build_style
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    class RankScaled(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (rank + 1)  # a partial result: every rank's part of a sum
+
+    scaled = RankScaled()
+    parallelize_module(scaled, mesh, build_style("all_reduce", scaled))
+    x = torch.ones(2, 3, requires_grad=True)
+    out = scaled(x)
+    out.sum().backward()
+    linear = nn.Linear(4, 6, bias=False)
+    torch.manual_seed(0)
+    whole = torch.randn(6, 4)
+    linear.weight = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]))
+    parallelize_module(linear, mesh, build_style("local_params", linear))
+    y = linear(torch.ones(1, 4))
+    return {
+        "sum": out[0, 0].item(),
+        "grad": x.grad[0, 0].item(),
+        "local": torch.allclose(y, torch.ones(1, 4) @ whole.chunk(world)[rank].T),
+        "expected_sum": float(sum(range(1, world + 1))),
+        "rank": rank,
+    }
+
+
+def test_all_reduce_and_local_params_styles(pool2):
+    for got in pool2.run(local_styles_job):
+        assert got["sum"] == got["expected_sum"]
+        assert got["grad"] == got["rank"] + 1  # the identity backward: each rank's own factor
+        assert got["local"]
+
+
+def test_transformers_names_and_refusals():
+    from lightning_par3d.parallel.styles import canonical
+
+    assert canonical("colwise_rep") == "colwise_gather_output"
+    assert canonical("rowwise_rep") == "rowwise_split_input"
+    assert canonical("gather") == "all_reduce"
+    with pytest.raises(ValueError, match="'moe_tp_experts' is tensor-parallel MoE experts: par3d parallelizes dense"):
+        expand_plan(meta_gpt(), {"lm_head": "moe_tp_experts"})
 
 
 def test_bad_plan_errors_on_every_rank_instead_of_hanging(pool4):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_par3d import Par3DConfig, resolve_layout
-from lightning_par3d.zero_buckets import shard_rows
-from lightning_par3d.zero_formula import model_state_formula, tensor_state_elements
+from lightning_par3d.zero.buckets import shard_rows
+from lightning_par3d.zero.formula import model_state_formula, tensor_state_elements
 from tests.conftest import assert_parity, assert_resume_continues
 from tests.gpt_runs import run_par3d, run_reference
 from tests.harness import RankError
@@ -61,7 +61,7 @@ def test_formula_counts_padding_where_storage_holds_it():
 
 
 def _no_scalars():
-    from lightning_par3d.zero_formula import OptimizerStateLayout
+    from lightning_par3d.zero.formula import OptimizerStateLayout
 
     return OptimizerStateLayout(2, 0)
 
@@ -197,7 +197,7 @@ class StateBytesProbe(L.Callback):
         self.measured: Any = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        from lightning_par3d.memory import model_state_bytes
+        from lightning_par3d.memory.meters import model_state_bytes
 
         if trainer.global_step == 1:
             self.measured = model_state_bytes(pl_module, trainer.optimizers)
@@ -265,7 +265,7 @@ def full_export_job(steps: int) -> dict:
     from examples.fabric_train import fabric_train
     from examples.gpt import GPT_TP_PLAN
     from lightning_par3d import Par3DFabricStrategy
-    from lightning_par3d.zero import ZeroOptimizer
+    from lightning_par3d.zero.optimizer import ZeroOptimizer
     from tests.gpt_runs import DATA, MODEL, SEED
 
     strategy = Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, dp_shard=2, tp=2, zero_stage=1)

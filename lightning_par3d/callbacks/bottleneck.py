@@ -22,6 +22,7 @@ and prints a short version. Writing happens after training, so it does not slow 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,12 @@ from lightning_par3d.callbacks.bottleneck_findings import (
     render_markdown,
     short_summary,
 )
-from lightning_par3d.callbacks.run_files import output_directory, unconfigured_copy
+from lightning_par3d.callbacks.run_files import output_directory, par3d_engine, pp_rank, unconfigured_copy
 from lightning_par3d.callbacks.timeline import Block, plot_timeline
+
+QUIET_KINETO = "6"
+"""Kineto's log level above all of its levels: none of its lines (torch 2.13 prints its start and stop lines at
+level 5)."""
 
 
 class BottleneckReport(L.Callback):
@@ -100,7 +105,8 @@ class BottleneckReport(L.Callback):
                 self._unconfigured = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runner = getattr(pl_module, "_par3d_pipeline", None)
+        engine = par3d_engine(trainer)
+        runner = engine.pipeline if engine is not None else None
         if runner is not None:
             schedule = runner.schedule
             for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
@@ -140,6 +146,10 @@ class BottleneckReport(L.Callback):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        # Kineto (torch.profiler's back end) prints "profiler_start"/"profiler_stop" and stage lines from every
+        # rank at each start and stop; the report is what this callback says. Read at the profiler's first start;
+        # a KINETO_LOG_LEVEL the user set is kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)
         self._profiler = profile(activities=activities)
         self._profiler.start()
 
@@ -177,7 +187,7 @@ class BottleneckReport(L.Callback):
         self._profiler.export_chrome_trace(str(directory / f"trace_rank{rank}.json"))
         mine = {
             "rank": rank,
-            "pp_rank": _pp_rank(strategy, rank),
+            "pp_rank": pp_rank(trainer),
             "step": mean_step(steps),
             "blocks": _last_step_blocks(events, pp),
         }
@@ -303,11 +313,6 @@ def _last_step_blocks(events: list[Event], pp: bool) -> list[Block]:
         elif e.name == OPTIMIZER:
             blocks.append(Block("optimizer", "", e.start, e.end))
     return blocks
-
-
-def _pp_rank(strategy: Any, rank: int) -> int:
-    mesh = getattr(strategy, "_mesh", None)
-    return mesh.coords(rank).pp if mesh is not None else 0
 
 
 def _gather(mine: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -8,11 +8,11 @@ and activations.
 Each step, on every rank:
 
 * parameters, gradients and optimizer state are counted from the tensors the rank holds
-  (:func:`~lightning_par3d.memory.model_state_bytes`: storages, each once, padding included) just before the
+  (:func:`~lightning_par3d.memory.meters.model_state_bytes`: storages, each once, padding included) just before the
   optimizer step, when all three are held (and again at the end of a step that created the optimizer state or took
   no optimizer step);
 * activations are the bytes autograd keeps saved for backward, measured by hooks
-  (:class:`~lightning_par3d.memory.SavedTensorMeter`): their peak in the step, and what is still held at its end;
+  (:class:`~lightning_par3d.memory.meters.SavedTensorMeter`): their peak in the step, and what is still held at its end;
 * on CUDA, the allocator's own figures too (``torch.cuda.memory_allocated`` and ``max_memory_allocated``).
 
 Every ``log_every_n_steps`` steps (the Trainer's by default) all ranks' figures go to Lightning's loggers, in MiB,
@@ -28,11 +28,6 @@ per rank, stacked by kind) and ``memory_stats.csv`` to ``dirpath`` (default: the
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +38,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
 from lightning_par3d.callbacks.memory_report import format_summary, plot_memory, write_csv
-from lightning_par3d.callbacks.run_files import output_directory, unconfigured_copy
-from lightning_par3d.memory import SavedTensorMeter, model_state_bytes
+from lightning_par3d.callbacks.run_files import output_directory, pp_rank, unconfigured_copy
+from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 
 KINDS = ("params", "grads", "optimizer", "activations")
 MIB = 2**20
@@ -121,7 +116,7 @@ class MemoryStats(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and self.estimate and trainer.is_global_zero:
             try:  # the LightningModule before configure_model: what the estimator builds on fake tensors
-                self._unconfigured = pickle.dumps(unconfigured_copy(pl_module))
+                self._unconfigured = unconfigured_copy(pl_module)
             except Exception as err:  # the comparison is optional; say why it is missing
                 self._unconfigured = None
                 rank_zero_info(f"MemoryStats: no estimate to compare with ({type(err).__name__}: {err}).")
@@ -159,7 +154,7 @@ class MemoryStats(L.Callback):
         record = MemoryRecord(
             step=trainer.global_step,
             rank=trainer.global_rank,
-            pp_rank=_pp_rank(trainer),
+            pp_rank=pp_rank(trainer),
             params=now.params,
             grads=now.grads,
             optimizer=now.optimizer,
@@ -195,16 +190,11 @@ class MemoryStats(L.Callback):
             return
         self.all_records = everyone
         if self._unconfigured is not None and self._batch is not None:  # after training: it takes no step's time
-            self.estimated = _finish_estimate(_start_estimate(self._unconfigured, trainer, self._batch))
+            self.estimated = _estimate(self._unconfigured, trainer, self._batch)
         write_csv(everyone, directory / "memory_stats.csv")
         self.plot_path = plot_memory(everyone, self.estimated, directory / "memory_stats.png")
         if self.verbose:
             rank_zero_info(format_summary(everyone, self.estimated) + f"\n  plot: {self.plot_path}")
-
-
-def _pp_rank(trainer: L.Trainer) -> int:
-    mesh = getattr(trainer.strategy, "_mesh", None)
-    return mesh.coords(trainer.global_rank).pp if mesh is not None else 0
 
 
 def _all_gather(values: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
@@ -234,7 +224,7 @@ def _gather_records(records: list[MemoryRecord]) -> list[MemoryRecord] | None:
 
 
 def _optimizer_kind(trainer: L.Trainer) -> str | None:
-    from lightning_par3d.zero import zero_optimizers
+    from lightning_par3d.zero.optimizer import zero_optimizers
 
     if not trainer.optimizers:
         return None
@@ -250,43 +240,26 @@ def _optimizer_kind(trainer: L.Trainer) -> str | None:
     return None
 
 
-def _start_estimate(module_bytes: bytes, trainer: L.Trainer, shapes: tuple[torch.Tensor, ...]) -> Any:
-    """Starts ``python -m lightning_par3d.callbacks.estimate_child`` on the layout and the batch's shapes."""
+def _estimate(module: L.LightningModule, trainer: L.Trainer, shapes: tuple[torch.Tensor, ...]) -> Any:
+    """:func:`~lightning_par3d.estimate_memory` for the run's layout and batch, or None (with the reason printed).
+
+    The estimator simulates every rank in a fake process group of its own, which cannot exist beside this rank's
+    real one; it runs in a forked copy of this process (:func:`~lightning_par3d.callbacks.isolated.run_isolated`),
+    so the LightningModule is never pickled: a class defined in the user's script works as any other."""
+    from lightning_par3d.callbacks.isolated import run_isolated
+    from lightning_par3d.memory.estimate import estimate_memory
+
     config = getattr(trainer.strategy, "config", None)
     kind = _optimizer_kind(trainer)
     if config is None or kind is None:
-        return False
-    workdir = Path(tempfile.mkdtemp(prefix="par3d-estimate-"))
-    payload = {
-        "module": module_bytes,
-        "config": config,
-        "world_size": trainer.world_size,
-        "batch": shapes,
-        "precision": str(trainer.precision),
-        "optimizer": kind,
-    }
-    (workdir / "in.pkl").write_bytes(pickle.dumps(payload))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(name, None)  # the child is not a rank
-    command = [sys.executable, "-m", "lightning_par3d.callbacks.estimate_child", str(workdir)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "err.txt", "w"))
-
-
-def _finish_estimate(child: Any, timeout: float = 600) -> Any:
-    """The child's :class:`~lightning_par3d.estimate.MemoryEstimate`, or None (with the reason printed)."""
-    if not child:
         return None
-    workdir = Path(child.args[-1])
+    precision = str(trainer.precision)
+
+    def estimate() -> Any:
+        return estimate_memory(module, config, trainer.world_size, shapes, precision=precision, optimizer=kind)
+
     try:
-        child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        rank_zero_info("MemoryStats: the estimate did not finish in time; no comparison.")
+        return run_isolated(estimate)
+    except Exception as err:
+        rank_zero_info(f"MemoryStats: the estimate failed, so the table has no estimate column: {err}")
         return None
-    out = workdir / "out.pkl"
-    if child.returncode != 0 or not out.exists():
-        reason = (workdir / "err.txt").read_text()[-500:]
-        rank_zero_info(f"MemoryStats: the estimate failed; no comparison. {reason}")
-        return None
-    return pickle.loads(out.read_bytes())

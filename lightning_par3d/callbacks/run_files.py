@@ -1,4 +1,5 @@
-"""What both callbacks need from the run: where to write, and the LightningModule as it was before configure_model."""
+"""What the callbacks need from the run: par3d's engine, where to write, and the LightningModule as it was before
+configure_model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+
+from lightning_par3d.engine import Par3DEngine
 
 
 def output_directory(trainer: L.Trainer, dirpath: Path | None) -> Path:
@@ -32,3 +35,15 @@ def unconfigured_copy(pl_module: L.LightningModule) -> Any:
         return copy.deepcopy(pl_module)
     finally:
         pl_module._device_mesh = mesh
+
+
+def par3d_engine(trainer: L.Trainer) -> Par3DEngine | None:
+    """The run's :class:`~lightning_par3d.engine.Par3DEngine` (None under another strategy)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    return engine if isinstance(engine, Par3DEngine) else None
+
+
+def pp_rank(trainer: L.Trainer) -> int:
+    """This rank's pipeline position (0 without pipelining, or under another strategy)."""
+    engine = par3d_engine(trainer)
+    return engine.pp_rank if engine is not None and engine._mesh is not None else 0

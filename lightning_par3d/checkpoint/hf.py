@@ -1,0 +1,189 @@
+"""Hugging Face weights in and out: a ``save_pretrained`` directory loaded straight into each rank's shards, and the
+trained model written back as one.
+
+**In** (:func:`load_pretrained`, ``Par3DConfig(init="pretrained")``): the model is built with its parameters on the
+meta device on every rank, parallelized, and allocated as shards; then torch's DCP ``HuggingFaceStorageReader``
+fills each rank's shards from the safetensors files (one file or sharded), reading only the slices the rank holds:
+no rank ever holds the whole model. The keys are the transformers model's own state-dict names (where the model
+sits inside a LightningModule, its attribute path is added). A tied output embedding, which ``save_pretrained``
+stores once, shares the input embedding's parameter and is read through it. The dtype converts on the way (a bf16
+checkpoint into fp32 parameters).
+
+**Out** (:func:`save_pretrained`): the whole model's state is gathered on rank 0 (each parameter over its own mesh,
+the pipeline stages merged), put into a fresh transformers model of the same config (built on meta, the weights
+assigned), and written by transformers' own ``save_pretrained``: safetensors, ``config.json``, generation config,
+tied weights once. :func:`convert_checkpoint` does the same offline from a par3d checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par3d.parallel.interleaved import contiguous_copies, copy_back
+from lightning_par3d.patterns import find_transformers_model
+
+
+def _transformers_model(module: nn.Module) -> tuple[str, nn.Module]:
+    found = find_transformers_model(module)
+    if found is None:
+        raise ValueError(
+            f"{type(module).__name__} holds no Hugging Face transformers model; pretrained loading and "
+            "save_pretrained export need one (a PreTrainedModel, e.g. from AutoModelForCausalLM.from_config)."
+        )
+    return found
+
+
+def _strip(prefix: str, names: Iterable[str]) -> dict[str, str]:
+    """{model-relative name: name in the module} for the names under ``prefix``."""
+    head = f"{prefix}." if prefix else ""
+    return {name[len(head) :]: name for name in names if name.startswith(head)}
+
+
+def pretrained_path(module: nn.Module, configured: str | None) -> str:
+    """The directory to load: the configured one, else the one the transformers model's config came from."""
+    path = configured or getattr(getattr(_transformers_model(module)[1], "config", None), "_name_or_path", "")
+    if not path or not Path(path).is_dir():
+        raise ValueError(
+            f"init='pretrained' needs a local save_pretrained directory: pretrained_path={configured!r}, and the "
+            f"transformers model's config names {path!r}. Set pretrained_path to the directory (downloaded "
+            "checkpoints: pass their local snapshot directory)."
+        )
+    return str(path)
+
+
+def load_pretrained(module: nn.Module, path: str) -> None:
+    """Fills ``module``'s (sharded, materialized) parameters from the safetensors files in ``path``; every rank
+    reads only its own slices. A collective: every rank must call it. Raises the same ``ValueError`` on every rank
+    for weights the directory lacks or holds in another shape."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    prefix, _ = _transformers_model(module)
+    state = get_model_state_dict(module)
+    names = _strip(prefix, state)
+    reader = HuggingFaceStorageReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    tied = _tied_names(module, prefix)
+    wanted = {key: state[name] for key, name in names.items() if key in saved or key not in tied}
+    _agree_on_problems(_problems(path, wanted, saved))
+    swapped = contiguous_copies(wanted)  # packed projections' interleaved shards, as contiguous blocks
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(path))
+    copy_back(swapped)
+    set_model_state_dict(
+        module, {names[key]: value for key, value in wanted.items()}, options=StateDictOptions(strict=False)
+    )
+
+
+def _tied_names(module: nn.Module, prefix: str) -> set[str]:
+    """Model-relative names of parameters that another name of the same model also holds (the tied copy)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+    return set(_strip(prefix, tied))
+
+
+def _problems(path: str, wanted: dict[str, Any], saved: dict[str, Any]) -> list[str]:
+    missing = [key for key in wanted if key not in saved]
+    shapes = [
+        f"{key}: file {tuple(saved[key].size)}, model {tuple(value.shape)}"
+        for key, value in wanted.items()
+        if key in saved and tuple(saved[key].size) != tuple(value.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weights of the model are not in {path} (e.g. {', '.join(missing[:4])}).")
+    if shapes:
+        problems.append(f"{len(shapes)} weights have other shapes in {path} (e.g. {'; '.join(shapes[:3])}).")
+    return problems
+
+
+def _agree_on_problems(problems: list[str]) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = list(dict.fromkeys(p for rank in everyone for p in rank))
+    if problems:
+        raise ValueError("Cannot load the pretrained weights:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def save_pretrained(module: nn.Module, full_state: dict[str, torch.Tensor], directory: str | Path) -> Path:
+    """Writes the transformers model inside ``module`` as a ``save_pretrained`` directory, from its whole,
+    unsharded state (``full_state``, keyed as in ``module``); call it on one rank. Returns the directory."""
+    prefix, model = _transformers_model(module)
+    return write_pretrained(
+        model.config, {key: full_state[name] for key, name in _strip(prefix, full_state).items()}, directory
+    )
+
+
+def write_pretrained(config: Any, weights: dict[str, torch.Tensor], directory: str | Path) -> Path:
+    """A fresh transformers causal LM of ``config`` holding ``weights``, written by ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # the output embedding takes the input embedding's (now real) parameter again
+    still_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise ValueError(
+            f"The weights do not fit a {type(model).__name__} of this config: missing {still_meta[:4]}, unexpected "
+            f"{list(unexpected)[:4]}."
+        )
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def read_checkpoint_model(path: str | Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
+    """The whole model of a par3d checkpoint directory (any layout), as full tensors in this process, without a
+    process group and without unpickling anything but DCP's metadata classes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_par3d.checkpoint.dcp import SafeFileSystemReader, read_metadata, resolve_checkpoint
+
+    path = resolve_checkpoint(Path(path))
+    head = f"{key}."
+    tensors = {
+        name[len(head) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in read_metadata(path).state_dict_metadata.items()
+        if name.startswith(head) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise ValueError(f"{path} has no '{key}' entries: pass the key the model was saved under (Fabric: 'model').")
+    with warnings.catch_warnings():  # that it reads in this one process is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: tensors}, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return tensors
+
+
+def convert_checkpoint(
+    checkpoint: str | Path, config_dir: str | Path, out: str | Path, key: str = "state_dict"
+) -> Path:
+    """A par3d checkpoint directory of a transformers model → a ``save_pretrained`` directory. ``config_dir`` holds
+    the model's ``config.json`` (a ``save_pretrained`` or hub snapshot directory); the model's place inside the
+    checkpoint (``model.`` in a LightningModule holding it as ``self.model``) is found from the names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    state = read_checkpoint_model(checkpoint, key)
+    with torch.device("meta"):
+        expected = list(AutoModelForCausalLM.from_config(config).state_dict())
+    anchor = expected[-1]
+    found = [name for name in state if name == anchor or name.endswith(f".{anchor}")]
+    if not found:
+        raise ValueError(f"{checkpoint} holds no '{anchor}' of a model of {config_dir}: is it this model's checkpoint?")
+    prefix = found[0][: -len(anchor)].rstrip(".")
+    return write_pretrained(config, {key_: state[name] for key_, name in _strip(prefix, state).items()}, out)

@@ -1,0 +1,288 @@
+"""``Fabric(strategy="par3d")``: thin Fabric glue over :class:`~lightning_par3d.engine.Par3DEngine`.
+
+Build the model under ``fabric.init_module()`` (real on rank 0, meta elsewhere with the default
+``init="rank0"``), then ``model = fabric.setup_module(model)`` and create the optimizer from the parallelized
+parameters::
+
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)   # forward + backward at any layout
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.integrations import lightning_shared as shared
+from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.parallel.precision import precision_name
+
+
+class Par3DFabricStrategy(ParallelStrategy):
+    """The Fabric counterpart of :class:`~lightning_par3d.integrations.trainer.Par3DStrategy`; same settings, same
+    engine, same checkpoint layout."""
+
+    def __init__(
+        self,
+        config: Par3DConfig | None = None,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is not None and settings:
+            raise TypeError("Pass either a Par3DConfig or its fields to Par3DFabricStrategy, not both.")
+        self.engine = Par3DEngine(config if config is not None else Par3DConfig(**settings))
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._backward_sync_control = _Par3DBackwardSyncControl(self.engine)
+
+    @property
+    def config(self) -> Par3DConfig:
+        return self.engine.config
+
+    @property
+    def layout(self) -> Layout:
+        if self.engine._layout is None:
+            self.engine.precision = precision_name(self.precision)
+            device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+            self.engine.resolve(self.num_nodes * self.num_processes, device_type)
+        return self.engine.layout
+
+    @property
+    def mesh(self) -> Par3DMesh:
+        return self.engine.mesh
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.engine.sampler_kwargs()
+
+    @override
+    def _configure_launcher(self) -> None:
+        _ = self.layout  # validate against the world size, the precision and the devices before any launch
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        _ = self.layout
+        super().setup_environment()
+        reset_seed()
+        shared.set_world_ranks(
+            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
+        )
+        assert self.cluster_environment is not None
+        backend = shared.init_distributed(
+            self.cluster_environment, self.root_device, self._process_group_backend, self.config.timeout_s
+        )
+        self._process_group_backend = backend
+        self.engine.setup(self.root_device, backend)
+        shared.end_job_on_uncaught_exception(self._launcher, self.engine.describe_failure)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Real tensors on rank 0 and meta elsewhere (``init="rank0"``), whatever ``empty_init`` says: the weights
+        then equal a single process's, and only rank 0 ever holds a full copy."""
+        stack = ExitStack()
+        stack.enter_context(self.engine.init_context())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Parallelizes ``module``. Under pp > 1 it becomes the trunk of a pipeline host that :meth:`pipeline_step`
+        runs through the schedule."""
+        trained = self.engine.parallelize(module)
+        shared.point_at_device(self.engine.module, self.root_device)
+        rank_zero_info(self.engine.describe())
+        return trained
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``optimizer`` over the parallelized parameters; under zero_stage 1 or 2 wrapped in a
+        :class:`~lightning_par3d.zero.optimizer.ZeroOptimizer`."""
+        return self.engine.setup_optimizers([optimizer])[0]
+
+    def pipeline_step(
+        self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor], train: bool = True
+    ) -> Tensor:
+        """One batch through the model at any layout, returning its mean loss on every rank.
+
+        ``train=True`` also runs the backward pass: under pp > 1 inside the pipeline schedule (microbatched,
+        gradients accumulated into the parameters), otherwise as ``fabric.backward(loss)``. The script stays the
+        same at every layout: ``loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)``, then the optimizer
+        step as usual.
+        """
+        if not train:
+            with self.precision.forward_context():
+                return self.engine.eval_step(module, inputs, targets, loss_fn)
+        with self.precision.forward_context():
+            return self.engine.train_step(module, inputs, targets, loss_fn, lambda loss: self.backward(loss, module))
+
+    def sync_metrics(self, *metrics: Module) -> int:
+        """Makes torchmetrics metrics (a metric, a ``MetricCollection``, or a module holding them) sync over the
+        data-parallel ranks that hold the model's outputs, and give every rank the result: ``compute()`` then
+        returns the single-process value at any layout. Metrics inside the model get this at ``setup_module``;
+        returns how many metrics were set. Under pp, update them in the loss function (it runs where the outputs
+        are)."""
+        return self.engine.attach_metrics(*metrics)
+
+    @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None) -> Any:
+        raise NotImplementedError(
+            "par3d replaces the model's parameters with their shards, so an optimizer created before setup would "
+            "hold stale tensors. Call `model = fabric.setup_module(model)` first, then create the optimizer from "
+            "`model.parameters()` and call `fabric.setup_optimizers(optimizer)`."
+        )
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        pass
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        shared.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return shared.broadcast(obj, src)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clips by the norm over every shard: see :meth:`Par3DEngine.clip_grad_norm_
+        <lightning_par3d.engine.Par3DEngine.clip_grad_norm_>`."""
+        self.precision.unscale_gradients(optimizer)
+        norm = self.engine.clip_grad_norm_(optimizer, float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of the gradients is {norm.item()}; it must be finite to clip by it.")
+        return norm
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Saves ``state`` as a sharded DCP directory: the model and optimizers by shard, the rest in ``meta.pt``."""
+        if storage_options is not None or filter is not None:
+            raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`/`filter`.")
+        key = _model_key(state)
+        tensors: dict[str, Any] = {key: self.engine.model_state()}
+        for name, obj in state.items():
+            if isinstance(obj, Optimizer):
+                tensors[name] = self.engine.optimizer_state(obj)
+        metadata = {name: obj for name, obj in state.items() if name not in tensors}
+        self.engine.save(self.broadcast(str(path)), tensors, metadata)
+
+    def save_pretrained(self, directory: _PATH) -> Path:
+        """Writes the Hugging Face transformers model inside the set-up module as a ``save_pretrained`` directory
+        (see :meth:`Par3DEngine.save_pretrained`): ``fabric.strategy.save_pretrained(path)`` on every rank."""
+        return self.engine.save_pretrained(self.broadcast(str(directory)))
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restores the model and optimizers in ``state`` in place; returns the remaining saved entries."""
+        if not isinstance(state, dict):
+            raise TypeError("par3d loads into a dict of objects, e.g. state={'model': model, 'optimizer': optimizer}.")
+        optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
+        path = self.broadcast(str(path))
+        key = _model_key(state)
+        metadata = self.engine.load(path, optimizers, model_key=key, strict=strict, weights_only=weights_only)
+        for name in list(metadata):
+            if name in state and not isinstance(state[name], (Module, Optimizer)):
+                state[name] = metadata.pop(name)
+        return metadata
+
+
+def _model_key(state: dict[str, Any]) -> str:
+    keys = [name for name, obj in state.items() if isinstance(obj, Module)]
+    if len(keys) != 1:
+        raise ValueError(
+            f"par3d checkpoints hold exactly one model; the state has {len(keys)}. Save each model separately."
+        )
+    return keys[0]
+
+
+class _Par3DBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: DDP's or FSDP2's gradient sync off, and ZeRO-1's all-reduce."""
+
+    def __init__(self, engine: Par3DEngine) -> None:
+        self.engine = engine
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self.engine.no_sync(enabled)

@@ -1,0 +1,1 @@
+"""Memory, measured (``meters``) and estimated before launch (``estimate``)."""

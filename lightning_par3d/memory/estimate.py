@@ -1,0 +1,468 @@
+"""The memory estimator: per-rank bytes of a layout, before launch, with no real allocation.
+
+:func:`estimate_memory` builds the model under ``FakeTensorMode`` (tensors with shapes, dtypes and devices, but no
+storage) and, for each pipeline stage, runs par3d's own layout code on it inside a single process over torch's
+fake process group (collectives that move nothing): the stage split, the tensor-parallel plan and activation
+checkpointing are the functions a real run calls. From that it takes
+
+* **model state** from each rank's local parameter shapes through the ZeRO formulas
+  (:mod:`lightning_par3d.zero.formula`), for the data-parallel stage, precision and optimizer;
+* **activations** by running one microbatch forward through the rank's stage(s) and counting what autograd saves
+  for backward (:class:`~lightning_par3d.memory.meters.SavedTensorMeter`), times the microbatches the pipeline schedule
+  keeps in flight, found by walking torch's own schedule (its ``pipeline_order``: ``F`` adds a microbatch, ``B``
+  or ``W`` releases it).
+
+Under activation checkpointing the activations are what is held between forward and backward (the checkpointed
+blocks' inputs, or what ``op`` mode saves); the block that backward recomputes at a time is its own column,
+``recompute``, counted in the total.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
+from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing, find_ac_blocks
+from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.parallel.parallelize import checked_plan
+from lightning_par3d.parallel.precision import check_precision
+from lightning_par3d.parallel.tensor_parallel import apply_tensor_parallel, expand_plan, find_plan, local_tensor
+from lightning_par3d.pipeline.hf import decoder_layout, install_stage_forward
+from lightning_par3d.pipeline.runner import torch_schedule
+from lightning_par3d.pipeline.split import plan_stages
+from lightning_par3d.pipeline.trunk import declared_pipeline
+from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
+
+_DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
+"""(parameter, gradient, optimizer state) element bytes per precision: the ``-mixed`` modes keep fp32 masters."""
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """The estimate for the ranks at one pipeline position (every dp and tp rank there is alike, up to padding;
+    the figures are those of dp_shard rank 0, which holds the most)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    ranks: tuple[int, ...]
+    state: ModelStateBytes
+    activations: int
+    """Peak bytes held for backward: the microbatches in flight times each stage's bytes per microbatch."""
+    recompute: int
+    """Under full or selective checkpointing, the largest block's activations, rebuilt during backward on top."""
+    activations_per_microbatch: tuple[int, ...]
+    in_flight: int
+    """Peak number of (stage, microbatch) activations held at once on this rank."""
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.activations + self.recompute
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes for one layout; ``str()`` gives the table."""
+
+    layout: Layout
+    precision: str
+    activation_checkpointing: str
+    microbatch_shape: tuple[int, ...]
+    rows: list[RankEstimate] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        """The most any rank needs."""
+        return max(row.total for row in self.rows)
+
+    def __str__(self) -> str:
+        return format_estimate(self)
+
+
+def _unit(peak: int) -> tuple[str, int]:
+    for name, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if peak >= size:
+            return name, size
+    return "KiB", 2**10
+
+
+def format_estimate(estimate: MemoryEstimate) -> str:
+    """A readable per-rank table, in the unit that suits the peak (KiB, MiB or GiB)."""
+    unit, size = _unit(estimate.peak)
+
+    def fmt(n: int) -> str:
+        return f"{n / size:,.1f}"
+
+    layout = estimate.layout
+    head = (
+        f"par3d memory estimate: {layout}, ZeRO-{layout.zero}, {estimate.precision}, activation checkpointing "
+        f"{estimate.activation_checkpointing}, microbatch {tuple(estimate.microbatch_shape)}"
+    )
+    columns = (
+        "pp rank",
+        "stages",
+        "ranks",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "in flight",
+        "recompute",
+        "total",
+    )
+    lines = [head, "", "| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+    for row in estimate.rows:
+        ranks = _ranks_text(row.ranks)
+        cells = (
+            str(row.pp_rank),
+            ",".join(map(str, row.stages)),
+            ranks,
+            fmt(row.state.params),
+            fmt(row.state.grads),
+            fmt(row.state.optimizer),
+            fmt(row.activations),
+            str(row.in_flight),
+            fmt(row.recompute),
+            fmt(row.total),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"({unit} per rank; the most any rank needs: {fmt(estimate.peak)} {unit})"]
+    return "\n".join(lines)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}–{ranks[-1]}"
+    return ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]},{ranks[1]},… ({len(ranks)})"
+
+
+def estimate_memory(
+    module: nn.Module | Callable[[], nn.Module],
+    config: Par3DConfig,
+    world_size: int,
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    loss_fn: Callable[..., Tensor] | None = None,
+) -> MemoryEstimate:
+    """Estimates each rank's memory for training ``module`` at ``config`` on ``world_size`` ranks.
+
+    ``module`` is a LightningModule (its ``configure_model`` runs under fake tensors; its ``training_step``, or under
+    pp its ``pipeline_trunk`` and ``pipeline_loss``, run one microbatch) or a callable returning an ``nn.Module``
+    (then ``loss_fn(outputs, *targets)`` gives the loss and ``batch`` is ``(inputs, *targets)``). ``batch`` is one
+    data-parallel rank's batch: tensors (real or meta; only shapes and dtypes are read) or a shape ``(B, T)`` of
+    integer tokens, used as inputs and targets.
+    ``optimizer`` names the optimizer's state layout (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``).
+
+    Call it before launching, in a process without a default process group: it creates and destroys a fake one.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate_memory() simulates every rank in this process with a fake process group, so it must run "
+            "before launch (no process group yet). Call it from the launching script, or through `mode=estimate`."
+        )
+    layout = resolve_layout(config, world_size)
+    assert layout is not None
+    check_precision(precision, layout.zero)
+    if optimizer not in OPTIMIZER_STATE_LAYOUTS:
+        raise ValueError(f"optimizer={optimizer!r} is not known. Allowed: {', '.join(OPTIMIZER_STATE_LAYOUTS)}.")
+    mesh = Par3DMesh(layout)
+    n_stages = layout.n_stages
+    micro = config.microbatches if layout.pp > 1 else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
+        stages = _measure_stages(module, config, mesh, n_stages, batch, micro, precision, loss_fn)
+        order = _pipeline_order(layout) if layout.pp > 1 else None
+    rows = []
+    for pp_rank in range(layout.pp):
+        mine = layout.stage_indices(pp_rank)
+        per_mb = tuple(stages[s].activation_bytes for s in mine)
+        if order is None:
+            peak, in_flight = stages[0].activation_bytes, 1
+        else:
+            peak, in_flight = _schedule_peak(order[pp_rank], {s: stages[s].activation_bytes for s in mine})
+        recompute = max(stages[s].recompute_bytes for s in mine)
+        shapes = [shape for s in mine for shape in stages[s].param_shapes]
+        param_b, grad_b, state_b = _DTYPE_BYTES[precision]
+        state = model_state_formula(  # dp_shard rank 0: the one whose chunks are never short
+            shapes,
+            stage=layout.zero,
+            n=layout.dp_shard,
+            param_bytes=param_b,
+            grad_bytes=grad_b,
+            optimizer=OPTIMIZER_STATE_LAYOUTS[optimizer],
+            state_bytes=state_b,
+        )
+        ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
+        rows.append(RankEstimate(pp_rank, tuple(mine), ranks, state, peak, recompute, per_mb, in_flight))
+    shape = tuple(_shape_of(_first(batch)))
+    microbatch_shape = (shape[0] // micro, *shape[1:]) if shape else ()
+    return MemoryEstimate(layout, precision, config.activation_checkpointing, microbatch_shape, rows)
+
+
+# ---------------------------------------------------------------- one stage at a time, in a fake process group
+
+
+@dataclass
+class _StageMeasure:
+    param_shapes: list[tuple[int, ...]]
+    activation_bytes: int
+    """Saved for backward by one microbatch's forward (under checkpointing: what is held until backward)."""
+    recompute_bytes: int
+    """Under full or selective checkpointing: the largest checkpointed block's own activations, held again while
+    backward recomputes it."""
+    output: Any = None
+
+
+@contextmanager
+def _fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """A fake default process group in which this process plays ``rank``."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _build(module: nn.Module | Callable[[], nn.Module], precision: str, gathered: torch.dtype | None) -> nn.Module:
+    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in the dtype its
+    forward sees the parameters in: bf16 under ``bf16-true``, FSDP2's gathering dtype (``gathered``) under its
+    mixed-precision policy (autocast then makes no copies of them), else the default."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else gathered or torch.get_default_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cpu"):
+            if isinstance(module, nn.Module):
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():  # a plain copy of the (unconfigured) module and whatever it holds
+                    built = copy.deepcopy(module)
+                configure = getattr(built, "configure_model", None)
+                if callable(configure):
+                    configure()
+                return built
+            return module()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _measure_stages(
+    module: nn.Module | Callable[[], nn.Module],
+    config: Par3DConfig,
+    mesh: Par3DMesh,
+    n_stages: int,
+    batch: Any,
+    micro: int,
+    precision: str,
+    loss_fn: Callable[..., Tensor] | None,
+) -> list[_StageMeasure]:
+    """Each pipeline stage (or the whole model) built and run for one microbatch on fake tensors. One fake process
+    group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp coordinate only,
+    and dp_shard rank 0 holds the largest shards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layout = mesh.layout
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        inputs = _fake_batch(batch)
+        microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
+    carried: Any = microbatch[0]
+    results: list[_StageMeasure] = []
+    with _fake_rank(0, layout.world_size):
+        device_mesh = _device_mesh(layout)  # a real (CPU) mesh tensor, outside the fake mode
+        for stage in range(n_stages):
+            with fake:
+                built = _build(module, precision, _gathered_dtype(mesh, precision))
+                if layout.pp > 1:
+                    part, root, run = _pipeline_stage(built, config, layout, stage, carried, microbatch)
+                else:
+                    part, root, run = built, built, _whole_step(built, microbatch, loss_fn)
+                with _autocast(precision):
+                    result = _measure(part, root, config, device_mesh, run)
+            carried = result.output
+            results.append(result)
+    return results
+
+
+def _gathered_dtype(mesh: Par3DMesh, precision: str) -> torch.dtype | None:
+    """The dtype FSDP2's mixed-precision policy gathers parameters in, where FSDP2 serves this layout."""
+    from lightning_par3d.parallel.precision import fsdp_mixed_precision
+
+    policy = fsdp_mixed_precision(precision) if mesh.layout.data_parallel == "fsdp" else None
+    return policy.param_dtype if policy is not None else None
+
+
+def _autocast(precision: str) -> Any:
+    """The autocast a ``-mixed`` run's forward runs under (so that saved activations have its dtypes)."""
+    from contextlib import nullcontext
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
+
+
+def _device_mesh(layout: Layout) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par3d.parallel.mesh import DIM_NAMES
+
+    return init_device_mesh("cpu", layout.shape, mesh_dim_names=DIM_NAMES)
+
+
+def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:
+    """One forward of the whole model with its loss: the LightningModule's ``training_step``, or ``loss_fn``."""
+    if loss_fn is not None:
+        return lambda: loss_fn(module(microbatch[0]), *microbatch[1:])
+    step = getattr(module, "training_step", None)
+    if not callable(step):
+        raise TypeError("estimate_memory needs loss_fn(outputs, *targets) for a module without training_step.")
+    return lambda: step(tuple(microbatch), 0)
+
+
+def _pipeline_stage(
+    module: nn.Module, config: Par3DConfig, layout: Layout, stage: int, carried: Any, microbatch: list[Any]
+) -> tuple[nn.Module, nn.Module, Callable[[], Any]]:
+    """Pipeline stage ``stage`` of the LightningModule's trunk, split as a run splits it, and its forward on the
+    previous stage's output (the loss too on the last stage)."""
+    spec = declared_pipeline(module)
+    trunk = getattr(module, spec.trunk)
+    where = f"{type(module).__name__}.{spec.trunk}"
+    plan = plan_stages(trunk, layout.pp, layout.stages_per_rank, config.split_points, where)
+    part = plan.build(trunk, stage)
+    decoder = decoder_layout(trunk)
+    if decoder is not None:  # a transformers decoder: the stage runs its own part of the forward, as in a run
+        layers = [int(name.rsplit(".", 1)[1]) for name in plan.blocks[stage]]
+        install_stage_forward(part, decoder, layers, stage == 0, stage == layout.n_stages - 1)
+    inputs = carried if stage == 0 else torch.empty_like(carried, requires_grad=True)
+
+    def run() -> Any:
+        output = part(inputs)
+        if stage == layout.n_stages - 1:
+            getattr(module, spec.loss)(output, *microbatch[1:])
+        return output
+
+    return part, module, run
+
+
+def _measure(
+    part: nn.Module, root: nn.Module, config: Par3DConfig, device_mesh: Any, run: Callable[[], Any]
+) -> _StageMeasure:
+    """Tensor parallelism on ``part`` as a run applies it; then the bytes saved for backward by ``run``, first
+    without checkpointing (block by block, for the recomputation peak) and then with it."""
+    if device_mesh["tp"].size() > 1:
+        checked_plan(root, config, device_mesh["tp"].size())  # the run's checks and messages: no plan, bad patterns
+        plan = find_plan(root, config.tp_plan)
+        apply_tensor_parallel(part, device_mesh["tp"], expand_plan(part, plan, allow_missing=True))
+    shapes = _local_shapes(part)
+    meter = SavedTensorMeter()
+    per_block: list[int] = []
+    if config.activation_checkpointing in ("full", "selective"):
+        hooks = _block_meters(find_ac_blocks(part, config.ac_blocks), meter, per_block)
+        with meter:
+            run()
+        for hook in hooks:
+            hook.remove()
+        meter = SavedTensorMeter()
+    apply_activation_checkpointing(part, config.activation_checkpointing, config.ac_blocks, config.ac_every)
+    with meter:
+        output = run()
+    detached = output.detach() if isinstance(output, Tensor) else None
+    return _StageMeasure(shapes, meter.peak, max(per_block, default=0), detached)
+
+
+def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[int]) -> list[Any]:
+    """Hooks that record, per block, the bytes its forward saves for backward."""
+    hooks = []
+    for block in blocks:
+        start: list[int] = []
+        hooks.append(block.register_forward_pre_hook(lambda _m, _a, start=start: start.append(meter.live)))
+        hooks.append(block.register_forward_hook(lambda _m, _a, _o, start=start: sizes.append(meter.live - start[-1])))
+    return hooks
+
+
+def _local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
+    return [tuple(local_tensor(p).shape) for p in module.parameters()]
+
+
+# ---------------------------------------------------------------- schedule
+
+
+def _pipeline_order(layout: Layout) -> dict[int, list[Any]]:
+    """torch's action list per pipeline rank for the layout's schedule (built over a fake pp group)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    with _fake_rank(0, layout.pp):
+        stages = [
+            PipelineStage(nn.Identity(), i, layout.n_stages, torch.device("cpu")) for i in layout.stage_indices(0)
+        ]
+        schedule = torch_schedule(layout, stages, _no_loss)
+        order = schedule.pipeline_order
+    assert order is not None, f"torch's {type(schedule).__name__} gives no pipeline_order"
+    return order
+
+
+def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    return outputs.sum()
+
+
+def _schedule_peak(actions: Sequence[Any], per_microbatch: dict[int, int]) -> tuple[int, int]:
+    """Walks one rank's actions: a forward adds its stage's bytes, a full backward (or, for zero-bubble schedules,
+    the weight-gradient pass that comes after the input-gradient pass) releases them. Returns (peak bytes, peak
+    count in flight)."""
+    live = peak = count = peak_count = 0
+    for action in _flatten_actions(actions):
+        kind = str(action.computation_type.value)
+        stage = action.stage_index
+        if kind == "F":
+            live, count = live + per_microbatch[stage], count + 1
+        elif kind in ("B", "W"):
+            live, count = live - per_microbatch[stage], count - 1
+        peak, peak_count = max(peak, live), max(peak_count, count)
+    return peak, peak_count
+
+
+def _flatten_actions(actions: Sequence[Any]) -> Iterator[Any]:
+    for action in actions:
+        if action is None:
+            continue
+        sub = getattr(action, "sub_actions", None)
+        if sub:
+            yield from _flatten_actions(sub)
+        else:
+            yield action
+
+
+# ---------------------------------------------------------------- batches
+
+
+def _first(batch: Any) -> Any:
+    return batch[0] if isinstance(batch, (tuple, list)) and batch and not isinstance(batch[0], int) else batch
+
+
+def _shape_of(item: Any) -> tuple[int, ...]:
+    return tuple(item.shape) if isinstance(item, Tensor) else tuple(item)
+
+
+def _fake_batch(batch: Any) -> list[Any]:
+    """``batch`` as a list of (fake) tensors: tensors are copied as empty ones of the same shape and dtype; a shape
+    ``(B, T)`` becomes integer tokens used as both inputs and targets."""
+    if isinstance(batch, tuple) and all(isinstance(x, int) for x in batch):
+        tokens = torch.zeros(batch, dtype=torch.long)
+        return [tokens, tokens]
+    items = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    return [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x for x in items]

@@ -1,0 +1,84 @@
+"""When a rank fails: which rank failed first, why, and where every rank was.
+
+Every rank notes the step it is starting in the default group's key-value store (one small write per step). When
+a rank raises (a collective that timed out included), :func:`describe_failure` records the failure there (the first
+rank to record one wins), and writes for a person which rank failed first and why, and, for a timeout, how far
+each rank had come, which names the rank that stalled. The store calls on this path use a short timeout: the
+store's host (rank 0) may be the rank that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+FIRST_FAILURE = "par3d/first_failure"
+_SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
+"""Words (lower case) of the errors a collective raises when another rank stalled or died."""
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def note_step(rank: int, step: int) -> None:
+    """Records that ``rank`` is starting ``step`` (read only when something fails)."""
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"par3d/step/{rank}", str(step))
+
+
+def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s: float) -> str:
+    """Records ``rank``'s failure and returns a message naming the rank that failed first, why, and (for a
+    collective that timed out or lost a peer) the step each rank had started."""
+    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    lines = [f"par3d: rank {rank} failed: {text[:500]}"]
+    store = _store()
+    first = None
+    if store is not None:
+        try:
+            store.set_timeout(timedelta(seconds=5))
+            first = store.compare_set(FIRST_FAILURE, "", f"{rank}|{text[:500]}").decode()
+        except Exception:
+            store = None
+            lines.append("  The key-value store hosted by rank 0 does not answer: rank 0 has probably died.")
+    if first and not first.startswith(f"{rank}|"):
+        other, _, why = first.partition("|")
+        lines.append(f"  rank {other} failed first: {why}")
+    if any(word in text.lower() for word in _SIGNS_OF_A_LOST_PEER):
+        lines.append(
+            f"  A collective timed out (timeout_s={timeout_s:g}) or lost a peer: another rank stopped responding "
+            "(stalled, deadlocked, or died)."
+        )
+        steps = _steps(store, world_size)
+        if steps:
+            behind = min(steps.values())
+            laggards = [r for r, s in steps.items() if s == behind]
+            listing = ", ".join(f"rank {r}: {s}" for r, s in sorted(steps.items()))
+            if len(laggards) < len(steps):
+                lines.append(f"  Step each rank started: {listing}. Behind: rank(s) {laggards}.")
+            else:
+                lines.append(f"  Every rank started step {behind}.")
+    lines.append("  Ending the whole job (every local rank), so that no process is left waiting.")
+    return "\n".join(lines)
+
+
+def _steps(store: Any, world_size: int) -> dict[int, int]:
+    if store is None:
+        return {}
+    steps = {}
+    for rank in range(world_size):
+        with contextlib.suppress(Exception):
+            key = f"par3d/step/{rank}"
+            if store.check([key]):
+                steps[rank] = int(store.get(key).decode())
+    return steps

@@ -1,0 +1,81 @@
+"""Precision under par3d: the ``precision=`` names (Lightning's), mapped onto FSDP2 and autocast.
+
+===============  ==========================================================================================
+``32-true``      fp32 everywhere.
+``bf16-mixed``   fp32 master weights, gradients and optimizer state; the forward and backward run in bf16 under
+                 ``torch.autocast``. FSDP2 units (zero_stage 3, and replication with tp) also gather their
+                 parameters in bf16 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): half the
+                 all-gather bytes, gradients reduced in fp32.
+``bf16-true``    the model is built and kept in bf16: weights, gradients and optimizer state, no fp32 master copy.
+``16-mixed``     as ``bf16-mixed`` with fp16, on CUDA, with a gradient scaler whose overflow check is combined
+                 over every rank (each holds different shards); not with zero_stage 1 or 2. Lightning itself turns
+                 ``16-mixed`` on CPU into ``bf16-mixed``.
+===============  ==========================================================================================
+
+Gradient clipping clips by the norm over every tp, dp and pp shard in every mode. The Lightning precision plugins
+that carry these modes into the Trainer live in :mod:`lightning_par3d.integrations.lightning_precision`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim import Optimizer
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+"""The ``precision=`` values par3d accepts."""
+
+
+def precision_name(plugin: Any) -> str:
+    """The ``precision=`` string of a Lightning (Trainer or Fabric) precision plugin."""
+    return str(getattr(plugin, "precision", "32-true"))
+
+
+def check_precision(precision: str, zero_stage: int) -> None:
+    """Raises ``ValueError`` for a precision par3d does not serve (at this ZeRO stage)."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"par3d does not support precision={precision!r}. Choose among {', '.join(map(repr, PRECISIONS))}."
+        )
+    if precision == "16-mixed" and zero_stage in (1, 2):
+        raise ValueError(
+            f"precision='16-mixed' scales the loss and unscales gradients before the step, but zero_stage="
+            f"{zero_stage} keeps the gradients in its own shards. Use precision='bf16-mixed' (no scaling needed), "
+            "or zero_stage 0 or 3."
+        )
+
+
+def fsdp_mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for ``precision``: low-precision gathered parameters and fp32 gradient reduction for the
+    ``-mixed`` modes; None (FSDP2's default: the parameters' own dtype) otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if low is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+class GlobalGradScaler(torch.amp.GradScaler):
+    """fp16 loss scaling for sharded models: the overflow check looks at each rank's own shard of every gradient
+    (DTensors included) and is combined over all ranks, so every rank skips or takes the step together."""
+
+    @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        import torch.distributed as dist
+
+        from lightning_par3d.parallel.tensor_parallel import local_tensor
+
+        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}

@@ -1,0 +1,159 @@
+"""Pipelining a Hugging Face transformers causal LM as it is.
+
+A transformers decoder keeps its blocks in an ``nn.ModuleList`` and its forward expects the whole model (it embeds
+the ids, builds the rotary tables and the causal mask, runs every layer, then the norm and the head). par3d splits
+it like any trunk (:mod:`lightning_par3d.pipeline.split`: the layers a stage does not own, and the embedding, norm and
+head where they do not belong, become placeholders, so every parameter keeps its name) and gives each stage module
+the forward of its part, with the model's own modules:
+
+* the first stage embeds the token ids (and adds learned positions and applies the embedding dropout, GPT-2);
+* every stage computes the position ids, the rotary tables (``rotary_emb``, shared by all stages) and the causal
+  mask the model's attention implementation wants (``create_causal_mask``, or the sliding-window one for
+  Mistral-style configs and per layer type for Qwen2/3-style ones), and runs its own layers;
+* the last stage applies the final norm and the LM head and returns the logits.
+
+The structure is found from the model, not from a list of class names (:func:`decoder_layout`): the base model
+(``base_model_prefix``), its input embedding (``get_input_embeddings()``), the one list of repeated layers, the
+first parameterized module after them (the final norm), a parameterless module holding ``inv_freq`` (rotary), a
+second embedding before the layers (learned positions) and a dropout before them, and the ``lm_head``. Llama,
+Mistral, Qwen2, Qwen3 and GPT-2 have this shape. Tied input and output embeddings cannot be split between the first
+and last stage, and are refused under pipelining.
+
+Padding masks are not carried through the pipeline: stages see causal attention over full sequences, as in
+causal-LM pretraining and packed fine-tuning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par3d.patterns import is_transformers_model
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Where a transformers causal LM keeps its parts (names within the model)."""
+
+    embed: str
+    layers: str
+    norm: str
+    head: str
+    positions: str | None = None
+    dropout: str | None = None
+    rotary: str | None = None
+
+
+def decoder_layout(model: nn.Module) -> DecoderLayout | None:
+    """The layout of a transformers causal LM, or None for anything else."""
+    if not is_transformers_model(model) or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None)
+    if not isinstance(base, nn.Module):
+        return None
+    children = list(base.named_children())
+    lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList) and len(m) > 1]
+    get_embeddings = getattr(base, "get_input_embeddings", None)
+    embedding = get_embeddings() if callable(get_embeddings) else None
+    if len(lists) != 1 or embedding is None:
+        return None
+    at = lists[0]
+    names = {id(m): n for n, m in children}
+    after = [(n, m) for n, m in children[at + 1 :] if any(True for _ in m.parameters())]
+    before = children[:at]
+    if not after or id(embedding) not in names:
+        return None
+
+    def path(name: str | None) -> str | None:
+        return f"{prefix}.{name}" if name else None
+
+    positions = next((n for n, m in before if isinstance(m, nn.Embedding) and m is not embedding), None)
+    dropout = next((n for n, m in before if isinstance(m, nn.Dropout)), None)
+    rotary = next((n for n, m in children if hasattr(m, "inv_freq") and not any(True for _ in m.parameters())), None)
+    return DecoderLayout(
+        embed=f"{prefix}.{names[id(embedding)]}",
+        layers=f"{prefix}.{children[at][0]}",
+        norm=f"{prefix}.{after[0][0]}",
+        head="lm_head",
+        positions=path(positions),
+        dropout=path(dropout),
+        rotary=path(rotary),
+    )
+
+
+def check_pipelinable(model: nn.Module) -> None:
+    """Refuses what the stage split cannot serve: input and output embeddings tied into one parameter."""
+    layout = decoder_layout(model)
+    if layout is None:
+        return
+    embed = model.get_submodule(layout.embed)
+    head = model.get_submodule(layout.head)
+    if getattr(embed, "weight", None) is getattr(head, "weight", object()):
+        raise ValueError(
+            f"{type(model).__name__} ties its input embedding and its LM head (tie_word_embeddings=True): under "
+            "pp > 1 they sit on the first and the last stage and cannot share one parameter. Untie them "
+            "(config.tie_word_embeddings=False) or train without pipeline parallelism."
+        )
+
+
+def install_stage_forward(stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool) -> None:
+    """Makes ``stage`` (a copy of the model holding this stage's parts) run only its part: see the module
+    docstring."""
+    stage.forward = _stage_forward(stage, layout, layers, first, last)
+
+
+def _stage_forward(
+    stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool
+) -> Callable[..., torch.Tensor]:
+    config = stage.config
+
+    def part(name: str | None) -> Any:
+        return stage.get_submodule(name) if name else None
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        x = args[0] if args else kwargs["input_ids"] if "input_ids" in kwargs else kwargs["hidden_states"]
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+        if first:  # token ids (B, T) → embeddings (B, T, hidden)
+            h = part(layout.embed)(x)
+            if layout.positions:
+                h = h + part(layout.positions)(positions)
+            if layout.dropout:
+                h = part(layout.dropout)(h)
+        else:
+            h = x  # the previous stage's hidden states (B, T, hidden)
+        extra: dict[str, Any] = {"position_ids": positions}
+        if layout.rotary:
+            extra["position_embeddings"] = part(layout.rotary)(h, positions)  # (cos, sin), on every stage
+        masks: dict[str, Any] = {}
+        decoder = part(layout.layers)
+        for index in layers:
+            kind = _attention_kind(config, index)
+            if kind not in masks:
+                masks[kind] = _causal_mask(config, h, positions, kind)
+            out = decoder[index](h, attention_mask=masks[kind], **extra)
+            h = out[0] if isinstance(out, tuple) else out
+        if last:  # (B, T, hidden) → logits (B, T, vocab)
+            h = part(layout.head)(part(layout.norm)(h))
+        return h
+
+    return forward
+
+
+def _attention_kind(config: Any, index: int) -> str:
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return str(types[index])
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def _causal_mask(config: Any, h: torch.Tensor, positions: torch.Tensor, kind: str) -> Any:
+    """The mask the model's attention implementation expects (None where SDPA's own causal flag does it)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+    return make(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions)

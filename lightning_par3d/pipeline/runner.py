@@ -1,0 +1,177 @@
+"""Running one batch through this rank's pipeline stages with a ``torch.distributed.pipelining`` schedule.
+
+:func:`build_runner` wraps this rank's stage modules in torch ``PipelineStage`` objects and builds the configured
+torch schedule over them. :meth:`PipelineRunner.run` then runs a batch (forward and backward in training, forward
+only in evaluation), with the loss given for that call, and returns the batch's mean loss on every pipeline rank
+(broadcast from the rank that holds the last stage). The runner holds no reference to the model that owns the
+stages, so a model that is dropped is freed with its runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_par3d.pipeline.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES
+
+if TYPE_CHECKING:
+    from lightning_par3d.config import Layout
+    from lightning_par3d.parallel.mesh import Par3DMesh
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class PendingPipelineOutput:
+    """What the pipelined trunk returns: the call's arguments, kept until the loss says what to compute."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class PipelineRunner:
+    """This rank's part of the pipeline: its stage modules, torch's schedule over them, and where the last stage is.
+
+    Built by :func:`build_runner`; owned by the engine that parallelized the model.
+    """
+
+    schedule: Any
+    n_microbatches: int
+    pp_group: Any
+    last_stage_rank: int
+    """Global rank of the pipeline peer holding the last stage (where the loss and the outputs are)."""
+    holds_last_stage: bool
+    stage_modules: list[nn.Module] = field(default_factory=list)
+    _loss_fn: LossFn | None = None
+    _grad_scale: float = 1.0
+
+    def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss of one microbatch, scaled so that the summed gradients are those of the batch mean (and of
+        the accumulation window's mean: a framework's own division by the accumulation count never reaches a
+        backward that already ran inside the schedule)."""
+        assert self._loss_fn is not None, "the schedule ran outside PipelineRunner.run"
+        return self._loss_fn(outputs, targets) * self._grad_scale
+
+    def run(
+        self,
+        pending: PendingPipelineOutput,
+        targets: Any,
+        loss_fn: LossFn,
+        train: bool,
+        device: torch.device,
+        accumulate: int = 1,
+        zero_grad_first: bool = False,
+        zero: Sequence[Any] = (),
+    ) -> torch.Tensor:
+        """Runs the schedule over one batch and returns its mean loss on every pipeline rank.
+
+        ``train`` runs forward and backward (gradients accumulate into the stages' parameters, scaled by
+        ``1 / (microbatches × accumulate)``), else forward only. ``zero_grad_first`` clears the stages' gradients
+        first (the first batch of an accumulation window). ``zero`` are the ZeRO-1 optimizers over the stages:
+        their gradient reduction is held during the schedule's many backward passes and done once after them.
+        """
+        self._check_batch(targets)
+        self._grad_scale = 1.0 / (self.n_microbatches * (accumulate if train else 1))
+        if train and zero_grad_first:
+            for stage in self.stage_modules:
+                stage.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        step = self.schedule.step if train else self.schedule.eval
+        syncing = [z for z in zero if z.require_backward_grad_sync] if train else []
+        self._loss_fn = loss_fn
+        try:
+            with ExitStack() as no_sync:
+                for optimizer in zero:
+                    no_sync.enter_context(optimizer.no_sync())
+                step(*pending.args, target=targets, losses=losses, **pending.kwargs)
+        finally:
+            self._loss_fn = None
+        for optimizer in syncing:
+            optimizer.reduce_gradients()
+        if self.holds_last_stage:
+            loss = torch.stack([x.detach().float() for x in losses]).sum() / self._grad_scale / self.n_microbatches
+        else:
+            loss = torch.zeros((), device=device, dtype=torch.float32)  # fp32 on every rank, as on the last
+        return self.broadcast_from_last_stage(loss)
+
+    def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the rank holding the last stage has it, on every pipeline rank (same shape and dtype)."""
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=self.last_stage_rank, group=self.pp_group)
+        return tensor
+
+    def broadcast_object_from_last_stage(self, obj: Any) -> Any:
+        """A picklable object from the rank holding the last stage, on every pipeline rank."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
+        return box[0]
+
+    def predict(self, pending: PendingPipelineOutput, device: torch.device) -> Any:
+        """Forward only, without a loss: the merged outputs on the ranks holding the last stage, None elsewhere."""
+        first = pending.args[0] if pending.args else next(iter(pending.kwargs.values()))
+        dummy_targets = torch.zeros(first.shape[0], device=device)
+        self._check_batch(dummy_targets)
+        self._loss_fn, self._grad_scale = _zero_loss, 1.0
+        try:
+            outputs = self.schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)
+        finally:
+            self._loss_fn = None
+        return outputs if self.holds_last_stage else None
+
+    def _check_batch(self, targets: Any) -> None:
+        batch = targets.shape[0] if isinstance(targets, torch.Tensor) and targets.dim() else None
+        if batch is not None and batch % self.n_microbatches:
+            raise ValueError(
+                f"The batch of {batch} samples (per data-parallel rank) is not divisible by microbatches="
+                f"{self.n_microbatches}. Choose a batch size that is a multiple of microbatches, or change "
+                "microbatches."
+            )
+
+
+def _zero_loss(outputs: Any, targets: Any) -> torch.Tensor:
+    first = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    return first.sum() * 0.0
+
+
+def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.device) -> PipelineRunner:
+    """The torch ``PipelineStage`` objects for this rank's stage modules, and the layout's torch schedule over
+    them."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    layout = mesh.layout
+    rank = dist.get_rank()
+    pp_group = mesh["pp"].get_group()
+    indices = layout.stage_indices(mesh.coords(rank).pp)
+    stages = [
+        PipelineStage(module, index, layout.n_stages, device, group=pp_group)
+        for module, index in zip(stage_modules, indices, strict=True)
+    ]
+    runner = PipelineRunner(
+        schedule=None,
+        n_microbatches=layout.microbatches,
+        pp_group=pp_group,
+        last_stage_rank=mesh.group_ranks("pp", rank)[layout.last_stage_owner],
+        holds_last_stage=(layout.n_stages - 1) in indices,
+        stage_modules=stage_modules,
+    )
+    runner.schedule = torch_schedule(layout, stages, runner._scaled_loss, scale_grads=False)
+    return runner
+
+
+def torch_schedule(layout: Layout, stages: list[Any], loss_fn: LossFn, **options: Any) -> Any:
+    """The torch schedule the layout names, over this rank's ``PipelineStage`` objects."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    cls = getattr(schedules, TORCH_SCHEDULES[layout.schedule])
+    target = stages[0] if layout.schedule in SINGLE_STAGE_SCHEDULES else stages
+    return cls(target, n_microbatches=layout.microbatches, loss_fn=loss_fn, **options)

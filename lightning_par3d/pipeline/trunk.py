@@ -1,0 +1,130 @@
+"""How a model declares its pipeline, and how its trunk and loss behave once pipelined.
+
+The model (a LightningModule, or any ``nn.Module``) declares, once, its pipelined trunk and its loss::
+
+    class GPTModule(L.LightningModule):
+        pipeline_trunk = "model"     # the attribute holding the module to split into stages
+        pipeline_loss = "loss_fn"    # a method (trunk outputs, targets) -> scalar loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)   # the same code at every layout
+
+Under ``pp > 1`` the trunk attribute holds this rank's stages (grafted at their original names) and calling it
+returns a :class:`~lightning_par3d.pipeline.runner.PendingPipelineOutput` instead of running; the loss method, given
+that, asks the ``run_pipeline`` callable it was installed with to run the whole schedule for the batch, and returns
+the batch's mean loss. Plain scripts (Fabric, Accelerate, a torch loop) hand their model to
+:class:`PipelineHost`, which declares both for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par3d.pipeline.runner import PendingPipelineOutput
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The names a model declares for pipelining: its trunk attribute and its loss method."""
+
+    trunk: str
+    loss: str
+
+
+def declared_pipeline(module: nn.Module) -> PipelineSpec:
+    """The module's ``pipeline_trunk`` and ``pipeline_loss`` names, checked."""
+    trunk, loss = getattr(module, "pipeline_trunk", None), getattr(module, "pipeline_loss", None)
+    if not isinstance(trunk, str) or not isinstance(loss, str):
+        raise TypeError(
+            f"pp > 1 needs {type(module).__name__} to declare `pipeline_trunk = '<attribute of the module to split>'` "
+            "and `pipeline_loss = '<method (outputs, targets) -> loss>'` as class attributes (see "
+            "lightning_par3d.pipeline.trunk)."
+        )
+    if not isinstance(getattr(module, trunk, None), nn.Module):
+        raise TypeError(f"pipeline_trunk={trunk!r}, but {type(module).__name__}.{trunk} is not an nn.Module.")
+    if not callable(getattr(module, loss, None)):
+        raise TypeError(f"pipeline_loss={loss!r}, but {type(module).__name__}.{loss} is not a method.")
+    return PipelineSpec(trunk, loss)
+
+
+def check_only_trunk_has_parameters(module: nn.Module, trunk_attr: str) -> None:
+    """Under pp every parameter must belong to a stage, hence to the trunk."""
+    outside = [n for n, _ in module.named_parameters() if not n.startswith(trunk_attr + ".")]
+    if outside:
+        raise TypeError(
+            f"Under pp > 1 every parameter must live in the pipelined trunk {type(module).__name__}.{trunk_attr}; "
+            f"these do not: {', '.join(outside[:5])}. Move them into the trunk."
+        )
+
+
+def install_trunk(module: nn.Module, trunk_attr: str, holder: nn.Module) -> None:
+    """Puts ``holder`` (this rank's stages at their original names) in place of the trunk and makes calling it
+    return a :class:`PendingPipelineOutput`."""
+    base = type(holder)
+    holder.__class__ = type(f"Pipelined{base.__name__}", (_PipelinedTrunk, base), {})
+    module.register_module(trunk_attr, holder)
+
+
+RunPipeline = Callable[[PendingPipelineOutput, Any, Callable[[Any, Any], torch.Tensor]], torch.Tensor]
+"""``(pending, targets, user_loss) -> mean loss``: runs the schedule for one batch."""
+
+
+def install_loss(module: nn.Module, loss_attr: str, run_pipeline: RunPipeline) -> None:
+    """Makes the module's loss method, given a :class:`PendingPipelineOutput`, run the schedule through
+    ``run_pipeline`` with the original loss; given real outputs it is the original loss. Installing again (the
+    model reused by another engine) only points the loss at the new ``run_pipeline``."""
+    current = getattr(module, loss_attr)
+    if isinstance(current, PipelinedLoss):
+        current.run_pipeline = run_pipeline
+        return
+    setattr(module, loss_attr, PipelinedLoss(current, run_pipeline))
+
+
+class PipelinedLoss:
+    """The model's loss method under pp: with a :class:`PendingPipelineOutput` (what the pipelined trunk returns)
+    it runs the whole schedule for the batch and returns the batch's mean loss; with real outputs (inside the
+    schedule, on the last stage) it is the model's own loss."""
+
+    def __init__(self, user_loss: Callable[..., torch.Tensor], run_pipeline: RunPipeline) -> None:
+        self.user_loss = user_loss
+        self.run_pipeline = run_pipeline
+
+    def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(outputs, PendingPipelineOutput):
+            return self.run_pipeline(outputs, targets, self.user_loss)
+        return self.user_loss(outputs, targets, *args, **kwargs)
+
+
+class _PipelinedTrunk(nn.Module):
+    """Mixed into the trunk's class under pp: calling it defers the computation to the pipeline schedule."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> PendingPipelineOutput:
+        return PendingPipelineOutput(args, kwargs)
+
+
+class PipelineHost(nn.Module):
+    """Holds a plain model as the pipelined trunk, for scripts that have no LightningModule to declare one. The
+    model object itself becomes this rank's stages, so the script's references to it stay valid and its state dict
+    keeps the original names (under ``trunk.``)."""
+
+    pipeline_trunk = "trunk"
+    pipeline_loss = "loss"
+
+    def __init__(self, trunk: nn.Module) -> None:
+        super().__init__()
+        self.trunk = trunk
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.trunk(*args, **kwargs)
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        raise RuntimeError(
+            "A pipelined model computes its loss inside the schedule: call the engine's (or the front-end's) "
+            "train_step/pipeline_step with your loss function."
+        )

@@ -1,0 +1,126 @@
+"""A small par3d training run that fails on purpose, as its own process tree (Lightning's subprocess launcher).
+
+    python tests/fault_script.py OUT '{"dp_shard": 2}' 2 stall 1 3
+
+trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes, and at the start of
+step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
+this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank writes
+``OUT/fault_at`` with the wall-clock time of the fault. With ``checkpoints`` the run saves ``last.ckpt`` every step
+into ``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L
+
+from examples.data import ShakespeareDataModule
+from examples.gpt import GPTModule
+from lightning_par3d import Par3DStrategy
+
+MODEL = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, eps=1e-6)
+
+
+class Fault(L.Callback):
+    def __init__(self, out: Path, kind: str, rank: int, step: int) -> None:
+        self.out, self.kind, self.rank, self.step = out, kind, rank, step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != self.rank or self.kind == "none":
+            return
+        (self.out / "fault_at").write_text(str(time.time()))
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "stall":
+            time.sleep(10**6)
+        if self.kind == "raise":
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+def kill_during_save(spec: str) -> None:
+    """``<rank>:<point>``: SIGKILL this rank at that point of the second save of ``last.ckpt`` (the first
+    completes): ``writing`` (inside DCP's write of the rank's shards), ``before_meta`` (rank 0, shards written,
+    ``meta.pt`` not yet), ``between_renames`` (rank 0, the old checkpoint set aside, the new one not in place)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_par3d.checkpoint import dcp as ckpt
+
+    rank, point = spec.split(":")
+    if int(os.environ.get("LOCAL_RANK", "0")) != int(rank):
+        return
+    saves_of_last = [0]
+
+    def second_save_of_last(target: Any) -> bool:
+        if "last.ckpt" in str(target):
+            saves_of_last[0] += 1
+        return saves_of_last[0] == 2
+
+    if point == "writing":
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if second_save_of_last(self.path):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(self, *args, **kwargs)
+
+        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+        return
+    name = "_write_file" if point == "before_meta" else "_swap_into_place"
+    original = getattr(ckpt, name)
+
+    def die_at_second(*args: Any, **kwargs: Any) -> Any:
+        target = args[0] if point == "before_meta" else args[1]
+        if second_save_of_last(target):
+            if point == "between_renames":
+                os.rename(args[1], ckpt._previous(args[1]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    setattr(ckpt, name, die_at_second)
+
+
+def main() -> None:
+    out, layout, devices, kind, rank, step = sys.argv[1:7]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    (out_dir / f"pid{local_rank}").write_text(str(os.getpid()))
+    if os.environ.get("KILL_SAVE"):
+        kill_during_save(os.environ["KILL_SAVE"])
+    checkpoints = "checkpoints" in sys.argv[7:]
+    callbacks: list[L.Callback] = [Fault(out_dir, kind, int(rank), int(step))]
+    if checkpoints:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", save_last=True, save_top_k=-1))
+    strategy = Par3DStrategy(timeout_s=20, **json.loads(layout))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(devices),
+        strategy=strategy,
+        max_steps=int(step) + 3,
+        logger=False,
+        enable_checkpointing=checkpoints,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    L.seed_everything(1234, verbose=False)
+    dp = strategy.layout.dp
+    data = ShakespeareDataModule(
+        block_size=32, batch_size=8 // dp, max_bytes=257, val_fraction=0.0
+    )  # 8 windows: one batch
+    trainer.fit(GPTModule(**MODEL), data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Training runs of unmodified Hugging Face transformers causal LMs (``examples.hf_llama.CausalLMModule``), shared by
+the single-process reference and the par3d jobs in the pool. Tiny configs, built here, never downloaded.
+
+Same seed, same global batch, as in :mod:`tests.gpt_runs`: the reference reads the permutation a seeded
+``DistributedSampler`` over one replica gives, ``GLOBAL_BATCH`` samples a step; each of par3d's dp ranks reads its
+``GLOBAL_BATCH / dp`` of the same samples through the sampler Lightning injects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from examples.data import ShakespeareDataModule
+from examples.hf_llama import CausalLMModule
+from tests.gpt_runs import DATA, GLOBAL_BATCH, SEED, LossRecorder, ReferenceData, full_state, trainer_kwargs
+
+TINY = dict(
+    vocab_size=256,
+    block_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    lr=3e-3,
+    eps=1e-6,
+)
+"""A tiny decoder: 4 query heads over 2 key/value heads (grouped-query attention), 2 layers."""
+
+PACKED_PLAN = {
+    "model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+    "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+    "model.layers.*.mlp.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+"""A Phi-3 plan that splits the fused ``gate_up_proj`` per component (rank r holds [gate_r; up_r]), so that the MLP
+runs on local shards with no gather between ``gate_up_proj`` and ``down_proj``."""
+
+
+def module(model: dict[str, Any] | None = None) -> CausalLMModule:
+    return CausalLMModule(**{**TINY, **(model or {})})
+
+
+def run_reference(
+    model: dict[str, Any] | None = None, max_steps: int = 5, data: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One process, Lightning's default strategy."""
+    L.seed_everything(SEED, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps))
+    lm = module(model)
+    trainer.fit(lm, ReferenceData(batch_size=GLOBAL_BATCH, **{**DATA, **(data or {})}))
+    return {"losses": recorder.losses, "params": full_state(lm)}
+
+
+class _BuildRecorder(CausalLMModule):
+    """Records how many parameter bytes ``configure_model`` allocated for real (not on the meta device)."""
+
+    real_bytes_built = -1
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            self.real_bytes_built = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+
+
+def run_par3d(
+    strategy: dict[str, Any],
+    devices: int,
+    model: dict[str, Any] | None = None,
+    max_steps: int = 5,
+    export_to: str | None = None,
+    checkpoint_to: str | None = None,
+    resume_from: str | None = None,
+    logits_of: torch.Tensor | None = None,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One par3d run inside a pool worker. ``export_to``: then ``save_pretrained`` there (``SavePretrained``).
+    ``checkpoint_to``: then a par3d checkpoint there; ``resume_from``: resume from one. ``logits_of``: then the
+    trained model's logits for these ids (``trainer.predict``: None on ranks without the last stage). The result
+    also tells how many parameter bytes the build allocated for real, how many each rank read from safetensors
+    files, and how many it holds."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from lightning_par3d import Par3DStrategy
+    from lightning_par3d.callbacks import SavePretrained
+
+    L.seed_everything(SEED, verbose=False)
+    par3d = Par3DStrategy(timeout_s=120, **strategy)
+    recorder = LossRecorder()
+    callbacks: list[L.Callback] = [recorder] + ([SavePretrained(export_to)] if export_to else [])
+    kwargs = trainer_kwargs(max_steps=max_steps)
+    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **kwargs)
+    lm = _BuildRecorder(**{**TINY, **(model or {})})
+    dp = par3d.layout.dp
+    read = [0]
+    original = HuggingFaceStorageReader._process_read_request
+
+    def counting(self: Any, f: Any, req: Any, planner: Any) -> None:
+        read[0] += math.prod(req.lengths) * planner.resolve_tensor(req).element_size()
+        original(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = counting  # type: ignore[method-assign]
+    try:
+        datamodule = ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **{**DATA, **(data or {})})
+        trainer.fit(lm, datamodule, ckpt_path=resume_from)
+    finally:
+        HuggingFaceStorageReader._process_read_request = original  # type: ignore[method-assign]
+    if checkpoint_to is not None:
+        trainer.save_checkpoint(checkpoint_to)
+    result: dict[str, Any] = {
+        "losses": recorder.losses,
+        "params": full_state(lm),
+        "real_bytes_built": lm.real_bytes_built,
+        "bytes_read": read[0],
+        "bytes_held": sum(_local(p).numel() * p.element_size() for p in lm.parameters()),
+    }
+    if logits_of is not None:
+        result["logits"] = _predict(trainer, lm, logits_of)
+    return result
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _predict(trainer: L.Trainer, lm: CausalLMModule, ids: torch.Tensor) -> torch.Tensor | None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(ids, ids), batch_size=len(ids))
+    outputs = trainer.predict(lm, loader)  # under pp: on the ranks holding the last stage, None on the others
+    return outputs[0].detach().cpu() if outputs and outputs[0] is not None else None
+
+
+def save_tiny_pretrained(directory: str | Path, model: dict[str, Any] | None = None) -> Path:
+    """A tiny random transformers model of ``module(model)``'s config, written with ``save_pretrained`` (sharded
+    into several safetensors files, as real checkpoints are)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED + 1)
+    config = module(model).model_config()
+    hf_model = AutoModelForCausalLM.from_config(config)
+    hf_model.save_pretrained(directory, max_shard_size="20KB")
+    return Path(directory)
+
+
+def accelerate_hf_loop(strategy: dict[str, Any] | None, model: dict[str, Any] | None = None, steps: int = 5) -> dict:
+    """The README's Accelerate loop with a transformers model, unchanged: ``Par3DConfig(tp_plan="auto")``, the model
+    built inside ``init_empty_weights()``, ``train_step`` with a loss that takes the model's output. ``strategy``
+    None: the single-process reference (plain torch, same data and seed)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.accelerate_runs import _data, _optimizer
+
+    config = module(model).model_config()
+    if strategy is None:
+        torch.manual_seed(SEED)
+        hf_model = AutoModelForCausalLM.from_config(config)
+        optimizer = _optimizer(hf_model.parameters())
+        losses = []
+        for x, y in itertools.islice(_data(GLOBAL_BATCH), steps):
+            loss = hf_loss(hf_model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "params": full_state(hf_model)}
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_par3d import Par3DConfig
+    from lightning_par3d.accelerate import Par3DAccelerator
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Par3DAccelerator(par3d=Par3DConfig(tp_plan="auto", timeout_s=120, **strategy))
+    torch.manual_seed(SEED)
+    with accelerator.init_empty_weights():
+        hf_model = AutoModelForCausalLM.from_config(config)
+    optimizer = _optimizer(hf_model.parameters())
+    loader = _data(GLOBAL_BATCH // accelerator.dp_size)
+    hf_model, optimizer, loader = accelerator.prepare(hf_model, optimizer, loader)
+    losses = []
+    for x, y in itertools.islice(loader, steps):
+        loss = accelerator.train_step(hf_model, x, y, hf_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return {"losses": losses, "params": full_state(accelerator.unwrap_model(hf_model))}
+
+
+def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a transformers model's output (or, under pipelining, of the last stage's
+    logits)."""
+    from examples.hf_llama import logits_of
+
+    logits = logits_of(output)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

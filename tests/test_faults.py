@@ -1,0 +1,201 @@
+"""Faults, each in its own process tree (``tests/fault_script.py``, Lightning's subprocess launcher, timeout_s=20):
+a rank killed, stalled or raising ends the whole job within timeout_s + 30 s, non-zero, with no process left, and
+the output names the rank; a save killed part-way leaves the previous checkpoint, which resumes on the
+single-process trajectory.
+
+The trees run a few at a time (:func:`_run_waves`), so that their waiting overlaps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpt_runs import run_par3d, run_reference
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = Path(__file__).with_name("fault_script.py")
+TIMEOUT_S = 20
+FAULT_STEP = 3
+TREE_LIMIT_S = 240  # a tree still running after this has hung: killed, and its case fails
+ONE_BATCH = dict(max_bytes=257, val_fraction=0.0)  # the fault script's data: 8 windows, one global batch per epoch
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layout: dict
+    devices: int
+    fault: str
+    rank: int
+    kill_save: str = ""
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    output: str
+    ended_after_fault_s: float
+    left_behind: list[int]
+
+
+FAULTS = [
+    Case("kill rank 0, dp", dict(dp_shard=2), 2, "kill", 0),
+    Case("kill rank 1, dp", dict(dp_shard=2), 2, "kill", 1),
+    Case("kill rank 0, DDP", dict(dp_replicate=2), 2, "kill", 0),
+    Case("kill rank 1, DDP", dict(dp_replicate=2), 2, "kill", 1),
+    Case("kill rank 0, pp", dict(pp=2), 2, "kill", 0),
+    Case("kill rank 1, pp", dict(pp=2), 2, "kill", 1),
+    Case("stall rank 0, dp", dict(dp_shard=2), 2, "stall", 0),
+    Case("stall rank 1, dp", dict(dp_shard=2), 2, "stall", 1),
+    Case("stall rank 0, pp", dict(pp=2), 2, "stall", 0),
+    Case("stall rank 1, pp", dict(pp=2), 2, "stall", 1),
+    Case("stall rank 0, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 0),
+    Case("stall rank 3, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 3),
+    Case("raise on rank 1 in one step", dict(dp_shard=2), 2, "raise", 1),
+]
+KILLED_SAVES = [
+    Case(f"kill rank {r} {point}", dict(dp_shard=2), 2, "none", 0, kill_save=f"{r}:{point}")
+    for r, point in [(0, "writing"), (1, "writing"), (0, "before_meta"), (0, "between_renames")]
+]
+
+
+def _launch(case: Case, out: Path) -> tuple[subprocess.Popen, Path]:
+    out.mkdir(parents=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if case.kill_save:
+        env["KILL_SAVE"] = case.kill_save
+    args = [str(out), json.dumps(case.layout), str(case.devices), case.fault, str(case.rank), str(FAULT_STEP)]
+    if case.kill_save:
+        args.append("checkpoints")
+    log = out / "output.txt"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=out,
+        env=env,
+        start_new_session=True,
+    )
+    return proc, log
+
+
+def _collect(case: Case, proc: subprocess.Popen, out: Path, log: Path) -> Outcome:
+    try:
+        returncode = proc.wait(timeout=1)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        returncode = proc.wait()
+    pids = [int(p.read_text()) for p in out.glob("pid*")]
+    deadline = time.time() + 10  # SIGKILLed processes take a moment to go
+    while time.time() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    ended = time.time()
+    left = [p for p in pids if _alive(p)]
+    for pid in left:  # do not leave them to the rest of the suite
+        os.kill(pid, 9)
+    fault_at = float((out / "fault_at").read_text()) if (out / "fault_at").exists() else ended
+    return Outcome(returncode, log.read_text(errors="replace"), ended - fault_at, left)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split()[2] == "Z")  # a zombie has ended
+
+
+def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Outcome]:
+    """Runs the cases' process trees, ``at_once`` at a time, starting the next as soon as one ends; the stalls
+    first, so that their waiting for the timeout overlaps the other trees' start-up."""
+    order = sorted(enumerate(cases), key=lambda item: item[1].fault != "stall")
+    outcomes: dict[str, Outcome] = {}
+    running: list[tuple[Case, subprocess.Popen, Path, float]] = []
+    while order or running:
+        while order and len(running) < at_once:
+            index, case = order.pop(0)
+            running.append((case, *_launch(case, root / f"case{index}"), time.monotonic()))
+        # A tree that has ended, or one that has run past the limit (which _collect then kills).
+        done = next((r for r in running if r[1].poll() is not None or time.monotonic() - r[3] > TREE_LIMIT_S), None)
+        if done is None:
+            time.sleep(0.2)
+            continue
+        running.remove(done)
+        case, proc, log, _ = done
+        outcomes[case.name] = _collect(case, proc, log.parent, log)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> tuple[dict[str, Outcome], Path]:
+    """Every process tree of this module (the faults and the killed saves), run together."""
+    root = tmp_path_factory.mktemp("trees")
+    return _run_waves(FAULTS + KILLED_SAVES, root), root
+
+
+@pytest.fixture(scope="module")
+def fault_outcomes(trees) -> dict[str, Outcome]:
+    return trees[0]
+
+
+def _names_the_rank(case: Case, output: str) -> bool:
+    return any(
+        sign in output
+        for sign in (
+            f"Behind: rank(s) [{case.rank}]",
+            f"par3d: rank {case.rank} failed",
+            f"rank {case.rank} failed first",
+            "rank 0 has probably died" if case.rank == 0 else "\0",
+        )
+    )
+
+
+@pytest.mark.parametrize("case", FAULTS, ids=[c.name for c in FAULTS])
+def test_a_failing_rank_ends_the_job(fault_outcomes, case):
+    outcome = fault_outcomes[case.name]
+    tail = outcome.output[-4000:]
+    assert outcome.returncode != 0, tail
+    assert outcome.ended_after_fault_s <= TIMEOUT_S + 30, (outcome.ended_after_fault_s, tail)
+    assert outcome.left_behind == [], tail
+    assert _names_the_rank(case, outcome.output), tail
+
+
+@pytest.fixture(scope="module")
+def killed_saves(trees) -> dict[str, tuple[Outcome, Path]]:
+    outcomes, root = trees
+    first = len(FAULTS)
+    return {case.name: (outcomes[case.name], root / f"case{first + i}") for i, case in enumerate(KILLED_SAVES)}
+
+
+@functools.cache
+def one_batch_reference() -> dict:
+    return run_reference(max_steps=6, data=ONE_BATCH)
+
+
+@pytest.mark.parametrize("case", KILLED_SAVES, ids=[c.name for c in KILLED_SAVES])
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint(pool2, killed_saves, case):
+    outcome, out = killed_saves[case.name]
+    assert outcome.returncode != 0, outcome.output[-3000:]
+    assert outcome.left_behind == []
+    last = out / "ckpt" / "last.ckpt"
+    resumed = pool2.run(run_par3d, strategy=case.layout, devices=2, data=ONE_BATCH, resume_from=str(last))[0]
+    whole = one_batch_reference()
+    done = len(resumed["losses"])
+    assert 0 < done < 6
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][-done:]), rtol=1e-4, atol=0
+    )
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-4 * value.abs().max().item())
