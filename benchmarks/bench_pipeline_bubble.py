@@ -72,7 +72,7 @@ class BubbleProbe(L.Callback):
         self.steps = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        runner = pl_module._par3d_pipeline
+        runner = trainer.strategy.engine.pipeline
         schedule = runner.schedule
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for stage in stages:

@@ -5,9 +5,9 @@
 For each data-parallel size, one pool of ``dp`` gloo processes trains the same GPT (global batch 16) at zero_stage
 0, 1, 2 and 3, in an order that rotates every round, so that drift of the machine hits every stage alike. Each run
 counts, on every rank just before its second optimizer step, the parameters, gradients and optimizer state it
-holds (:func:`lightning_par3d.memory.model_state_bytes`: storages, each once, padding included), and times every
+holds (:func:`lightning_par3d.memory.meters.model_state_bytes`: storages, each once, padding included), and times every
 step (the slowest rank's time). The table shows dp_shard rank 0 (the one holding the most) beside the ZeRO formula
-(:mod:`lightning_par3d.zero_formula`) and beside :func:`lightning_par3d.estimate_memory`, and the median step time
+(:mod:`lightning_par3d.zero.formula`) and beside :func:`lightning_par3d.estimate_memory`, and the median step time
 relative to stage 0 at the same dp.
 """
 
@@ -49,7 +49,7 @@ class Probe(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-        from lightning_par3d.memory import model_state_bytes
+        from lightning_par3d.memory.meters import model_state_bytes
 
         if trainer.global_step == 1:
             self.state = model_state_bytes(pl_module, trainer.optimizers)
@@ -76,7 +76,7 @@ def zero_run(stage: int, devices: int, steps: int, warmup: int) -> dict[str, Any
 def predicted(stage: int, dp: int, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
     """(formula, estimator) total model-state bytes of dp_shard rank 0."""
     from lightning_par3d import Par3DConfig, estimate_memory
-    from lightning_par3d.zero_formula import model_state_formula
+    from lightning_par3d.zero.formula import model_state_formula
 
     formula = model_state_formula(shapes, stage, dp if stage else 1).total
     batch = (GLOBAL_BATCH // dp, MODEL["block_size"])

@@ -69,3 +69,7 @@ class ShakespeareDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out windows again (the bundled text has no separate test split)."""
+        return self.val_dataloader()

@@ -18,6 +18,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics import SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
 
 
 @dataclass
@@ -166,6 +169,10 @@ class GPTModule(L.LightningModule):
         self.save_hyperparameters()
         self.gpt_config = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
         self.model: GPT | None = None
+        # Evaluation metrics, updated where the logits are (the loss: under pp, the last stage) and logged per epoch.
+        self.perplexity = Perplexity()
+        self.accuracy = MulticlassAccuracy(num_classes=vocab_size, average="micro")  # next-byte accuracy
+        self.tokens = SumMetric()  # tokens evaluated: every token counted once, at any layout
 
     def configure_model(self) -> None:
         if self.model is None:  # idempotent: Lightning may call it again, e.g. for trainer.validate
@@ -176,6 +183,10 @@ class GPTModule(L.LightningModule):
         return self.model(idx)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.training:  # validation and test: the metrics see every token once
+            self.perplexity.update(logits, targets)
+            self.accuracy.update(logits.argmax(-1), targets)
+            self.tokens.update(targets.numel())
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B·T, vocab) against (B·T,)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -188,8 +199,17 @@ class GPTModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}_ppl", self.perplexity, prog_bar=True)
+        self.log(f"{stage}_acc", self.accuracy)
+        self.log(f"{stage}_tokens", self.tokens)
         return loss
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
