@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 DEVICES ?= 4
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint bench clean
+.PHONY: help setup demo accelerate test lint bench clean
 
 help:  ## Show this help.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-8s\033[0m %s\n", $$1, $$2}'
@@ -25,6 +25,9 @@ setup: $(VENV)/.installed  ## Create .venv with the package, CPU torch and the d
 demo: setup  ## Train the bundled GPT with par3d in full 3D (dp=2 x tp=2 x pp=2) on 8 CPU processes.
 	$(PY) examples/train.py experiment=demo
 
+accelerate: setup  ## The Accelerate example: the GPT at dp_shard=2 x tp=2 on 4 CPU processes (accelerate launch).
+	$(VENV)/bin/accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py strategy.tp=2
+
 test: setup  ## Run the whole test suite (unit + multi-process gloo tests).
 	$(PY) -m pytest
 
@@ -33,8 +36,9 @@ lint: setup  ## ruff, ruff format --check and mypy.
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-bench: setup  ## Benchmarks: par3d against Lightning's strategies; the pipeline bubble; ZeRO stages; callbacks' cost.
+bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the pipeline bubble; ZeRO; callbacks' cost.
 	$(PY) benchmarks/bench_strategies.py
+	$(PY) benchmarks/bench_accelerate.py
 	$(PY) benchmarks/bench_pipeline_bubble.py
 	$(PY) benchmarks/bench_zero.py
 	$(PY) benchmarks/bench_callbacks.py
