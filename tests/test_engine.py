@@ -157,11 +157,12 @@ def timeout_job() -> list[float]:
 
     engine = Par3DEngine(Par3DConfig(dp_shard=2, timeout_s=77))
     mesh = engine.setup(torch.device("cpu"))
-    return [seconds(dist.group.WORLD), seconds(mesh["dp"].get_group())]
+    store = dist.distributed_c10d._get_default_store()
+    return [seconds(dist.group.WORLD), seconds(mesh["dp"].get_group()), store.timeout.total_seconds()]
 
 
 @pytest.mark.dist
 def test_every_collective_gets_the_configured_timeout(pool2):
-    """The default group was created by the pool, with another timeout: setup gives it (and the mesh's groups)
-    ``timeout_s``, which is also what a stalled peer is caught by."""
-    assert pool2.run(timeout_job) == [[77.0, 77.0]] * 2
+    """The default group was created by the pool, with another timeout: setup gives it, its store and the mesh's
+    groups ``timeout_s``, which is also what a stalled peer is caught by."""
+    assert pool2.run(timeout_job) == [[77.0, 77.0, 77.0]] * 2

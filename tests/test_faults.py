@@ -90,22 +90,54 @@ def _launch(case: Case, out: Path) -> tuple[subprocess.Popen, Path]:
     return proc, log
 
 
-def _collect(case: Case, proc: subprocess.Popen, out: Path, log: Path) -> Outcome:
+@dataclass
+class Tree:
+    """A running case: its launcher process (rank 0), output folder and log, and when it started."""
+
+    case: Case
+    proc: subprocess.Popen
+    out: Path
+    log: Path
+    started: float
+    deadline: float | None = None
+    """Set when the launcher has ended: by then every other process of the job must have ended too."""
+
+
+def _fault_at(out: Path) -> float | None:
+    return float((out / "fault_at").read_text()) if (out / "fault_at").exists() else None
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in out.glob("pid*")]
+
+
+def _ended(tree: Tree) -> bool:
+    """Whether the job is over: its launcher and every rank have ended, or the launcher has and the others are
+    past their deadline (the fault plus timeout_s + 30 s, or 10 s at least), or the tree is past its limit. The
+    launcher (rank 0) may be the rank killed; the others must then end on their own."""
+    if time.monotonic() - tree.started > TREE_LIMIT_S:
+        return True
+    if tree.proc.poll() is None:
+        return False
+    if tree.deadline is None:
+        fault_at = _fault_at(tree.out) or time.time()
+        tree.deadline = max(time.time() + 10, fault_at + TIMEOUT_S + 30)
+    return time.time() > tree.deadline or not any(_alive(p) for p in _pids(tree.out))
+
+
+def _collect(tree: Tree) -> Outcome:
+    """The job's outcome; any of its processes still alive is killed (and reported as left behind)."""
     try:
-        returncode = proc.wait(timeout=1)
+        returncode = tree.proc.wait(timeout=1)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        returncode = proc.wait()
-    pids = [int(p.read_text()) for p in out.glob("pid*")]
-    deadline = time.time() + 10  # SIGKILLed processes take a moment to go
-    while time.time() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
+        os.killpg(tree.proc.pid, 9)
+        returncode = tree.proc.wait()
     ended = time.time()
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in _pids(tree.out) if _alive(p)]
     for pid in left:  # do not leave them to the rest of the suite
         os.kill(pid, 9)
-    fault_at = float((out / "fault_at").read_text()) if (out / "fault_at").exists() else ended
-    return Outcome(returncode, log.read_text(errors="replace"), ended - fault_at, left)
+    fault_at = _fault_at(tree.out) or ended
+    return Outcome(returncode, tree.log.read_text(errors="replace"), ended - fault_at, left)
 
 
 def _alive(pid: int) -> bool:
@@ -122,19 +154,18 @@ def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Out
     first, so that their waiting for the timeout overlaps the other trees' start-up."""
     order = sorted(enumerate(cases), key=lambda item: item[1].fault != "stall")
     outcomes: dict[str, Outcome] = {}
-    running: list[tuple[Case, subprocess.Popen, Path, float]] = []
+    running: list[Tree] = []
     while order or running:
         while order and len(running) < at_once:
             index, case = order.pop(0)
-            running.append((case, *_launch(case, root / f"case{index}"), time.monotonic()))
-        # A tree that has ended, or one that has run past the limit (which _collect then kills).
-        done = next((r for r in running if r[1].poll() is not None or time.monotonic() - r[3] > TREE_LIMIT_S), None)
+            proc, log = _launch(case, root / f"case{index}")
+            running.append(Tree(case, proc, log.parent, log, time.monotonic()))
+        done = next((tree for tree in running if _ended(tree)), None)
         if done is None:
             time.sleep(0.2)
             continue
         running.remove(done)
-        case, proc, log, _ = done
-        outcomes[case.name] = _collect(case, proc, log.parent, log)
+        outcomes[done.case.name] = _collect(done)
     return outcomes
 
 

@@ -64,11 +64,15 @@ def join_timeout(timeout_s: float) -> timedelta:
 
 
 def set_collective_timeout(timeout_s: float) -> None:
-    """Gives the default group's collectives ``timeout_s``, whoever created the group (Lightning, Accelerate,
-    torchrun's user): a collective that waits longer raises on the ranks that wait, and par3d ends the job."""
+    """Gives the default group's collectives, and its key-value store, ``timeout_s``, whoever created the group
+    (Lightning, Accelerate, torchrun's user): a collective or a store call (creating sub-groups, par3d's step
+    notes) that waits longer raises on the ranks that wait, and par3d ends the job."""
     import torch.distributed as dist
 
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timeout)
 
 
 def _forget_if_world_changed() -> None:
