@@ -80,8 +80,11 @@ def test_fabric_rejects_a_layout_that_does_not_fit_the_world_before_launching():
 
 
 def test_config_and_fields_are_exclusive():
-    with pytest.raises(TypeError, match="Pass either a Par3DConfig or its fields"):
-        Par3DStrategy(Par3DConfig(), tp=2)
+    from lightning_par3d import Par3DFabricStrategy
+
+    for strategy in (Par3DStrategy, Par3DFabricStrategy):
+        with pytest.raises(TypeError, match=f"fields to {strategy.__name__}, not both \\(got config and tp\\)"):
+            strategy(Par3DConfig(), tp=2)
 
 
 @pytest.mark.parametrize("precision", ["64-true", "16-true"])

@@ -155,6 +155,7 @@ def timeout_job() -> list[float]:
     def seconds(group: dist.ProcessGroup) -> float:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
+    # A timeout no other test uses: this worker keeps one more (bounded, one-off) mesh for it.
     engine = Par3DEngine(Par3DConfig(dp_shard=2, timeout_s=77))
     mesh = engine.setup(torch.device("cpu"))
     store = dist.distributed_c10d._get_default_store()

@@ -56,9 +56,7 @@ class Par3DFabricStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         **settings: Any,
     ) -> None:
-        if config is not None and settings:
-            raise TypeError("Pass either a Par3DConfig or its fields to Par3DFabricStrategy, not both.")
-        self.engine = Par3DEngine(config if config is not None else Par3DConfig(**settings))
+        self.engine = shared.engine_for(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

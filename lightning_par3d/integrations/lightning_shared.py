@@ -19,9 +19,21 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from lightning_par3d.config import Par3DConfig
+from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel import groups
 
 T = TypeVar("T")
+
+
+def engine_for(owner: str, config: Par3DConfig | None, settings: dict[str, Any]) -> Par3DEngine:
+    """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (not both)."""
+    if config is not None and settings:
+        raise TypeError(
+            f"Pass either a Par3DConfig or its fields to {owner}, not both (got config and "
+            f"{', '.join(sorted(settings))})."
+        )
+    return Par3DEngine(config if config is not None else Par3DConfig(**settings))
 
 
 def init_distributed(

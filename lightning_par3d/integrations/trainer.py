@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from lightning_par3d.checkpoint import dcp as ckpt
 from lightning_par3d.config import Layout, Par3DConfig
-from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_logging import LogRelay
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
@@ -77,12 +76,7 @@ class Par3DStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         **settings: Any,
     ) -> None:
-        if config is not None and settings:
-            raise TypeError(
-                f"Pass either a Par3DConfig or its fields to {type(self).__name__}, not both (got config and "
-                f"{', '.join(sorted(settings))})."
-            )
-        self.engine = Par3DEngine(config if config is not None else Par3DConfig(**settings))
+        self.engine = shared.engine_for(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
