@@ -26,6 +26,7 @@ error if the layout differs. One mesh per layout serves every run of that layout
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -53,6 +54,7 @@ from lightning_par3d.parallel.metric_sync import (
     metric_sync_fn,
     quiet_compute_before_update,
 )
+from lightning_par3d.parallel.optimizer_paths import use_per_tensor_path_where_mixed
 from lightning_par3d.parallel.parallelize import ParallelizeReport, parallelize
 from lightning_par3d.parallel.precision import PRECISIONS, check_precision
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
@@ -329,8 +331,12 @@ class Par3DEngine:
         :class:`~lightning_par3d.zero.optimizer.ZeroOptimizer` under ZeRO-1/2 (LR schedulers bound to it follow the
         wrapper). Earlier ZeRO wrappers of this engine are closed."""
         self.close_optimizers()
+        names: dict[torch.Tensor, str] = {p: n for n, p in self.module.named_parameters()}
         for optimizer in optimizers:
             self._point_at_parameters(optimizer)
+            for line in use_per_tensor_path_where_mixed(optimizer, names):
+                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                    warnings.warn(f"par3d: {line}.", stacklevel=2)
         if self.layout.data_parallel != "zero":
             return list(optimizers)
         wrapped = wrap_optimizers(list(optimizers), schedulers, self.layout.zero, self.mesh)
