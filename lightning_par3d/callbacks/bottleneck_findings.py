@@ -117,12 +117,24 @@ def _dp_comm(share: str, context: ReportContext) -> str:
     return f"data-parallel collectives {share} (ZeRO-{layout.zero}, dp={layout.dp}): {fix}."
 
 
+def _optimizer(share: str, context: ReportContext) -> str:
+    layout = context.layout
+    if layout is not None and layout.tp > 1 and layout.zero != 3:
+        # Without FSDP, tensor-parallel (DTensor) and plain parameters share the optimizer's groups, which then take
+        # the per-tensor path (parallel/optimizer_paths.py).
+        return (
+            f"optimizer step {share}: shard the parameters with ZeRO-3 (dp_shard > 1), so that every parameter is a "
+            "DTensor and the optimizer can take its foreach/fused path."
+        )
+    return f"optimizer step {share}: use a foreach/fused optimizer, or shard it (zero_stage=1)."
+
+
 _SUGGESTIONS = {
     "dataloader": _dataloader,
     "pipeline": _pipeline,
     "tp_comm": _tp_comm,
     "dp_comm": _dp_comm,
-    "optimizer": lambda share, _: f"optimizer step {share}: use a foreach/fused optimizer, or shard it (zero_stage=1).",
+    "optimizer": _optimizer,
     "loop": lambda share, _: (
         f"Lightning's loop between steps {share}: log less often (log_every_n_steps), checkpoint less often, and keep "
         "callbacks' per-step work light."
