@@ -30,8 +30,8 @@ def _data(batch_size: int) -> DataLoader:
     return DataLoader(data.train_set, batch_size, shuffle=True, generator=generator)
 
 
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=MODEL["lr"], weight_decay=0.1, betas=(0.9, 0.95), eps=MODEL["eps"])
+def _optimizer(params: Any, **options: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=MODEL["lr"], weight_decay=0.1, betas=(0.9, 0.95), eps=MODEL["eps"], **options)
 
 
 def single_process_loop(
@@ -76,14 +76,17 @@ def accelerate_loop(
     load_from: str | None = None,
     start: int = 0,
     plain_backward: bool = False,
+    optimizer_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The loop of the README through ``Par3DAccelerator``: batches ``start`` to ``steps`` (× ``accumulate``),
-    optionally loading a ``save_state`` checkpoint first and saving one at the end."""
+    optionally loading a ``save_state`` checkpoint first and saving one at the end; ``optimizer_options`` go to
+    AdamW."""
     accelerator = _accelerator(strategy, gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision)
     torch.manual_seed(SEED)
     with accelerator.init_empty_weights():
         model = GPT(GPTConfig(**{**GPT_MODEL, "n_layer": n_layer}))
-    optimizer = _optimizer(model.parameters())  # before prepare, as Accelerate scripts do: it follows the shards
+    # before prepare, as Accelerate scripts do: it follows the shards
+    optimizer = _optimizer(model.parameters(), **(optimizer_options or {}))
     loader = _data(GLOBAL_BATCH // accelerator.dp_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if load_from is not None:
@@ -106,7 +109,12 @@ def accelerate_loop(
     return {"losses": losses, "params": full_state(accelerator.unwrap_model(model))}
 
 
-def fabric_loop(strategy: dict[str, Any], steps: int = 6, clip: float | None = None) -> dict[str, Any]:
+def fabric_loop(
+    strategy: dict[str, Any],
+    steps: int = 6,
+    clip: float | None = None,
+    optimizer_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """:func:`accelerate_loop`'s script under Lightning's Fabric with ``Par3DFabricStrategy``: the same model, seed,
     optimizer and batches (each data-parallel rank reads every ``dp``-th batch of the seeded loader, as
     ``Par3DAccelerator`` hands them out)."""
@@ -122,7 +130,7 @@ def fabric_loop(strategy: dict[str, Any], steps: int = 6, clip: float | None = N
     with fabric.init_module():
         model = GPT(GPTConfig(**GPT_MODEL))
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(_optimizer(model.parameters()))
+    optimizer = fabric.setup_optimizers(_optimizer(model.parameters(), **(optimizer_options or {})))
     engine = fabric.strategy.engine
     dp, dp_rank = engine.dp_size, engine.dp_rank
     losses = []

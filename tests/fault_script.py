@@ -26,8 +26,7 @@ import lightning as L
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
 from lightning_par3d import Par3DStrategy
-
-MODEL = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, eps=1e-6)
+from tests.gpt_runs import MODEL, SEED, trainer_kwargs  # the model and seed the tests' references use
 
 
 class Fault(L.Callback):
@@ -102,19 +101,12 @@ def main() -> None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", save_last=True, save_top_k=-1))
     strategy = Par3DStrategy(timeout_s=20, **json.loads(layout))
     trainer = L.Trainer(
-        accelerator="cpu",
         devices=int(devices),
         strategy=strategy,
-        max_steps=int(step) + 3,
-        logger=False,
-        enable_checkpointing=checkpoints,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=callbacks,
+        **trainer_kwargs(max_steps=int(step) + 3, enable_checkpointing=checkpoints),
     )
-    L.seed_everything(1234, verbose=False)
+    L.seed_everything(SEED, verbose=False)
     dp = strategy.layout.dp
     data = ShakespeareDataModule(
         block_size=32, batch_size=8 // dp, max_bytes=257, val_fraction=0.0

@@ -14,6 +14,7 @@ import torch
 
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
+from tests.accelerate_runs import accelerate_loop, fabric_loop, single_process_loop
 from tests.conftest import assert_parity
 from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL, SEED, LossRecorder, full_state, run_reference, trainer_kwargs
 from tests.harness import RankError
@@ -65,6 +66,13 @@ def test_foreach_over_mixed_parameters_trains_on_the_single_process_trajectory(p
     assert re.search(r"AdamW\(foreach=True\): group 0 holds \d+ DTensor and \d+ plain parameters", notice), notice
     assert all(r["notices"] == [] for r in got[1:])
     assert_parity(got[0], run_reference())
+
+
+@pytest.mark.parametrize("loop", [accelerate_loop, fabric_loop], ids=["accelerate", "fabric"])
+def test_foreach_over_mixed_parameters_under_accelerate_and_fabric(pool4, loop):
+    """The same fix reaches the other front-ends (both set their optimizers up through the engine)."""
+    got = pool4.run(loop, strategy=dict(pp=2, tp=2), optimizer_options={"foreach": True})[0]
+    assert_parity(got, single_process_loop())
 
 
 def reload_job() -> list[Any]:
