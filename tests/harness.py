@@ -63,12 +63,18 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         WORLD_SIZE=str(world_size),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
         NODE_RANK="0",
+        GROUP_RANK="0",
     )
-    # One thread pool per core, shared by the ranks (as Lightning's launchers do): a rank with as many threads as
-    # there are cores, times world_size ranks, would oversubscribe the machine.
+    # The cores shared by the ranks (as Lightning's launchers and torchrun do): a rank with as many threads as there
+    # are cores, times world_size ranks, would oversubscribe the machine. OMP_NUM_THREADS is set as torchrun sets it,
+    # so that libraries that size their own thread pool from the environment (Accelerate's PartialState does, from
+    # the physical cores over LOCAL_WORLD_SIZE) leave it alone; and every job gets it back, in case one changed it.
+    threads = torch.get_num_threads()
     if os.environ.get("PAR3D_TEST_THREADS", "1") == "1":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     log = open(Path(log_dir) / f"rank{rank}.log", "a", buffering=1)  # noqa: SIM115 (lives as long as the worker)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -80,6 +86,7 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         fn, kwargs = job
         print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
         environment = dict(os.environ)  # jobs may change it (Lightning's teardown drops WORLD_SIZE): give it back
+        torch.set_num_threads(threads)
         try:
             outbox.put(_Outcome(rank, True, fn(**kwargs)))
         except BaseException as e:  # report everything, keep serving
@@ -87,6 +94,11 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         finally:
             os.environ.clear()
             os.environ.update(environment)
+            print(f"=== threads after the job: {_os_threads()}", flush=True)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
 
 
 PRELOAD = ["torch", "torch.distributed.tensor", "lightning", "torchmetrics", "examples.gpt", "tests.gpt_runs"]

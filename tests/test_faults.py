@@ -189,6 +189,9 @@ def _names_the_rank(case: Case, output: str) -> bool:
             f"par3d: rank {case.rank} failed",
             f"rank {case.rank} failed first",
             "rank 0 has probably died" if case.rank == 0 else "\0",
+            # Lightning's launcher (rank 0) polls its children and, seeing one end, names it and ends the job
+            # itself; it can get there before the collectives on rank 0 notice the missing peer.
+            f"[rank: {case.rank}] Child process with PID" if case.rank != 0 else "\0",
         )
     )
 
