@@ -48,6 +48,8 @@ class _Outcome:
     exc_type: str = ""
     exc_message: str = ""
     trace: str = ""
+    threads: int = 0
+    """The worker's OS threads after the job."""
 
 
 def _free_port() -> int:
@@ -88,17 +90,26 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         environment = dict(os.environ)  # jobs may change it (Lightning's teardown drops WORLD_SIZE): give it back
         torch.set_num_threads(threads)
         try:
-            outbox.put(_Outcome(rank, True, fn(**kwargs)))
+            outcome = _Outcome(rank, True, fn(**kwargs))
         except BaseException as e:  # report everything, keep serving
-            outbox.put(_Outcome(rank, False, None, type(e).__name__, str(e), traceback.format_exc()))
-        finally:
-            os.environ.clear()
-            os.environ.update(environment)
-            print(f"=== threads after the job: {_os_threads()}", flush=True)
+            outcome = _Outcome(rank, False, None, type(e).__name__, str(e), traceback.format_exc())
+        os.environ.clear()
+        os.environ.update(environment)
+        outcome.threads = _os_threads()
+        print(f"=== threads after the job: {outcome.threads}", flush=True)
+        outbox.put(outcome)
 
 
 def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
+RECYCLE_THREADS = 64
+"""A worker past this many OS threads is recycled after its job. par3d keeps each layout's mesh for the life of the
+process (torch's DTensor caches its sharding decisions by mesh), and every gloo group of a mesh has a transport thread
+that polls its sockets, idle or not: a worker that has trained at many layouts burns CPU while it waits. Starting
+afresh (a fork of the server, a new default group) costs a few seconds; the polling of ~200 threads per worker cost
+far more over a suite (about a quarter of this machine's two cores, measured)."""
 
 
 PRELOAD = ["torch", "torch.distributed.tensor", "lightning", "torchmetrics", "examples.gpt", "tests.gpt_runs"]
@@ -151,6 +162,8 @@ class DistPool:
         failed = [o for o in outcomes if not o.ok]
         if len(outcomes) < self.world_size or (failed and len(failed) < self.world_size):
             self.close()  # a partial failure or a hang leaves collectives mismatched: start afresh next time
+        elif max(o.threads for o in outcomes) > RECYCLE_THREADS:
+            self.close()  # accumulated meshes: see RECYCLE_THREADS
         if len(outcomes) < self.world_size:
             missing = sorted(set(range(self.world_size)) - {o.rank for o in outcomes})
             detail = failed[0].trace if failed else self.log_tail(missing[0])

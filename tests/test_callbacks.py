@@ -186,6 +186,33 @@ def test_memory_stats_match_independent_counts(pool4, tmp_path: Path):
     assert width > 400 and height > 200
 
 
+def estimate_after_another_strategy_job(out: str) -> bool:
+    """Lightning's own ModelParallelStrategy trains at dp2×tp2, then par3d with MemoryStats at the same layout, in
+    the same processes (a notebook comparing the two); whether rank 0 got its estimate."""
+    from benchmarks.bench_strategies import timed_run
+    from examples.data import ShakespeareDataModule
+    from examples.gpt import GPTModule
+    from lightning_par3d import Par3DStrategy
+    from lightning_par3d.callbacks import MemoryStats
+    from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL, trainer_kwargs
+
+    timed_run(name="ModelParallel dp2×tp2", steps=2, warmup=1)
+    L.seed_everything(0, verbose=False)
+    memory = MemoryStats(dirpath=out, log_every_n_steps=1, verbose=False)
+    par3d = Par3DStrategy(timeout_s=120, dp_shard=2, tp=2)
+    trainer = L.Trainer(devices=4, strategy=par3d, callbacks=[memory], **trainer_kwargs(max_steps=2))
+    trainer.fit(GPTModule(**MODEL), ShakespeareDataModule(batch_size=GLOBAL_BATCH // 2, **DATA))
+    return memory.estimated is not None
+
+
+@pytest.mark.dist
+def test_the_estimate_survives_dtensor_caches_of_an_earlier_run(pool4, tmp_path: Path):
+    """The estimate runs in a forked child over fake groups. DTensor's caches (sharding decisions, redistribute
+    plans) are keyed by mesh equality, so the child must empty every one of them: an entry left from an equal mesh of
+    an earlier run in the parent hands the child the parent's groups ("Could not resolve the process group")."""
+    assert pool4.run(estimate_after_another_strategy_job, out=str(tmp_path))[0], "the estimate child failed"
+
+
 @pytest.mark.dist
 def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
     results = pool2.run(observed_job, strategy=dict(dp_shard=2), devices=2, out=str(tmp_path), delay=0.05)

@@ -112,10 +112,17 @@ def _forget_process_groups() -> None:
 
 
 def _clear_dtensor_caches() -> None:
-    """Empties DTensor's caches of sharding decisions. They are keyed by ``DeviceMesh`` equality, which ignores
-    process groups, so a mesh built here over fake groups would be served the parent's meshes and their groups."""
+    """Empties DTensor's caches of sharding decisions and redistribution plans. They are keyed by ``DeviceMesh``
+    equality, which ignores process groups, so a mesh built here over fake groups would be served the parent's
+    meshes and their groups ("Could not resolve the process group registered under the name …").
+
+    Three kinds: the Python ``lru_cache`` objects of ``torch.distributed`` (the sharding propagator's per-thread
+    cache among them), the C++ fast path's sharding cache, and the redistribute planners (keyed by a weak reference
+    to the mesh, which compares equal for equal meshes)."""
     import functools
     import gc
+
+    import torch
 
     with warnings.catch_warnings():  # looking at torch's deprecated aliases (reduce_op) warns
         warnings.simplefilter("ignore")
@@ -123,3 +130,11 @@ def _clear_dtensor_caches() -> None:
             module = str(getattr(obj, "__module__", "")) if isinstance(obj, functools._lru_cache_wrapper) else ""
             if module.startswith("torch.distributed"):
                 obj.cache_clear()
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:
+        clear_fast_path()
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    except ImportError:  # a torch without planner caching
+        return
+    clear_redistribute_planner_cache()
