@@ -7,8 +7,10 @@ once and then runs one job after another in all of them. Each worker looks like 
 serves all later jobs.
 
 Every job has a deadline. A job that fails on some ranks only, or misses its deadline, leaves the process group in
-an unknown state, so the pool is killed and the next job starts a fresh one. Each rank's output goes to its own
-log file, and a failure reports the tail of the failing rank's log.
+an unknown state, so the pool is killed and the next job starts a fresh one; so is a pool whose workers have
+accumulated more than :data:`RECYCLE_THREADS` threads. Nothing else carries over from job to job: the environment
+and torch's thread count are restored before each. Each rank's output goes to its own log file (with the thread
+count after every job), and a failure reports the tail of the failing rank's log.
 """
 
 from __future__ import annotations

@@ -53,10 +53,18 @@ def test_layout_that_does_not_fit_exits_before_launching():
 @pytest.mark.dist
 def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging():
     """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
-    all four processes raise and exit rather than one waiting for the others in a collective."""
-    out = train("strategy.tp=4", "model.n_head=6", "model.n_embd=48", "logger=none", "callbacks=none", timeout=180)
+    both processes raise and exit rather than one waiting for the other in a collective."""
+    out = train(
+        "strategy.tp=2",
+        "trainer.devices=2",
+        "model.n_head=3",
+        "model.n_embd=48",
+        "logger=none",
+        "callbacks=none",
+        timeout=180,
+    )
     assert out.returncode != 0
-    assert "tp=4 does not divide the head count model.transformer.h.0.attn.n_head=6" in out.stderr
+    assert "tp=2 does not divide the head count model.transformer.h.0.attn.n_head=3" in out.stderr
 
 
 def test_estimate_mode_prints_the_per_rank_table_without_launching():

@@ -149,14 +149,19 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and status.read_text().split()[2] == "Z")  # a zombie has ended
 
 
+def _waiting(tree: Tree) -> bool:
+    """A stall whose fault has happened: its ranks only wait for the timeout, using no CPU."""
+    return tree.case.fault == "stall" and _fault_at(tree.out) is not None
+
+
 def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Outcome]:
-    """Runs the cases' process trees, ``at_once`` at a time, starting the next as soon as one ends; the stalls
-    first, so that their waiting for the timeout overlaps the other trees' start-up."""
+    """Runs the cases' process trees, ``at_once`` busy ones at a time, starting the next as soon as one ends or
+    stalls; the stalls first, so that their waiting for the timeout overlaps the other trees' work."""
     order = sorted(enumerate(cases), key=lambda item: item[1].fault != "stall")
     outcomes: dict[str, Outcome] = {}
     running: list[Tree] = []
     while order or running:
-        while order and len(running) < at_once:
+        while order and sum(not _waiting(tree) for tree in running) < at_once:
             index, case = order.pop(0)
             proc, log = _launch(case, root / f"case{index}")
             running.append(Tree(case, proc, log.parent, log, time.monotonic()))
