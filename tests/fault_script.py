@@ -36,7 +36,9 @@ class Fault(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self.step or trainer.global_rank != self.rank or self.kind == "none":
             return
-        (self.out / "fault_at").write_text(str(time.time()))
+        partial = self.out / "fault_at.partial"  # the test polls for fault_at: it must appear whole
+        partial.write_text(str(time.time()))
+        os.replace(partial, self.out / "fault_at")
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "stall":

@@ -151,7 +151,7 @@ def _alive(pid: int) -> bool:
 
 def _waiting(tree: Tree) -> bool:
     """A stall whose fault has happened: its ranks only wait for the timeout, using no CPU."""
-    return tree.case.fault == "stall" and _fault_at(tree.out) is not None
+    return tree.case.fault == "stall" and (tree.out / "fault_at").exists()
 
 
 def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Outcome]:
