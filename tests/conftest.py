@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests import background
 from tests.harness import DistPool
 
 _POOLS: dict[int, DistPool] = {}
@@ -34,7 +35,28 @@ def pool8() -> Iterator[DistPool]:
     yield pool(8)
 
 
+def _uses_background(item: pytest.Item) -> bool:
+    return bool(set(getattr(item, "fixturenames", ())) & set(background.names()))
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that check background cases (see ``tests/background.py``) run last, when their cases have had the
+    whole session to run."""
+    items.sort(key=_uses_background)  # stable: the order within each part is kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Starts, at the session's first test, the background cases that the selected tests use."""
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for name in background.names():
+        if name in wanted:
+            background.start(name, tmp_path_factory)
+    yield
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background.stop()
     for p in _POOLS.values():
         p.close()
 

@@ -4,9 +4,10 @@
 
 trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes, and at the start of
 step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
-this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank writes
-``OUT/fault_at`` with the wall-clock time of the fault. With ``checkpoints`` the run saves ``last.ckpt`` every step
-into ``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
+this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
+rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault. With ``checkpoints`` the run saves
+``last.ckpt`` every step into ``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``:
+``<rank>:<point>``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ class Fault(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self.step or trainer.global_rank != self.rank or self.kind == "none":
             return
-        partial = self.out / "fault_at.partial"  # the test polls for fault_at: it must appear whole
-        partial.write_text(str(time.time()))
-        os.replace(partial, self.out / "fault_at")
+        note_the_fault(self.out)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "stall":
@@ -47,7 +46,14 @@ class Fault(L.Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
-def kill_during_save(spec: str) -> None:
+def note_the_fault(out: Path) -> None:
+    """Writes ``out/fault_at``, the time of the fault; whole, since the test polls for it."""
+    partial = out / "fault_at.partial"
+    partial.write_text(str(time.time()))
+    os.replace(partial, out / "fault_at")
+
+
+def kill_during_save(spec: str, out: Path) -> None:
     """``<rank>:<point>``: SIGKILL this rank at that point of the second save of ``last.ckpt`` (the first
     completes): ``writing`` (inside DCP's write of the rank's shards), ``before_meta`` (rank 0, shards written,
     ``meta.pt`` not yet), ``between_renames`` (rank 0, the old checkpoint set aside, the new one not in place)."""
@@ -70,6 +76,7 @@ def kill_during_save(spec: str) -> None:
 
         def write_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
             if second_save_of_last(self.path):
+                note_the_fault(out)
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(self, *args, **kwargs)
 
@@ -83,6 +90,7 @@ def kill_during_save(spec: str) -> None:
         if second_save_of_last(target):
             if point == "between_renames":
                 os.rename(args[1], ckpt._previous(args[1]))
+            note_the_fault(out)
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
@@ -96,7 +104,7 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     (out_dir / f"pid{local_rank}").write_text(str(os.getpid()))
     if os.environ.get("KILL_SAVE"):
-        kill_during_save(os.environ["KILL_SAVE"])
+        kill_during_save(os.environ["KILL_SAVE"], out_dir)
     checkpoints = "checkpoints" in sys.argv[7:]
     callbacks: list[L.Callback] = [Fault(out_dir, kind, int(rank), int(step))]
     if checkpoints:

@@ -6,70 +6,96 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import background
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def train(folder: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python examples/train.py *overrides`` with its Hydra run folder in ``folder``, as a background case (see
+    ``tests/background.py``): it runs while the pooled tests run, and its test checks the result at the end. The
+    launching process is a fork of a server that has imported Lightning already (``tests/preloaded.py``); the ranks
+    it launches are fresh processes, as always."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    return subprocess.run(
-        [sys.executable, "examples/train.py", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = ["examples/train.py", *overrides, f"hydra.run.dir={folder}"]
+    return background.run_script(command, timeout=timeout, cwd=ROOT, output=folder, env=env)
 
 
-@pytest.mark.dist
-def test_train_app_runs_dp2_tp2_and_logs_the_loss(tmp_path):
-    out = train(
-        "experiment=dp2_tp2",
-        "trainer.max_steps=4",
-        "trainer.val_check_interval=2",
-        "trainer.limit_val_batches=2",
-        "model.n_layer=2",
-        "model.n_embd=64",
-        "callbacks=none",
-        f"hydra.run.dir={tmp_path}",
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in out.stdout + out.stderr
-    rows = list(csv.DictReader((tmp_path / "logs" / "version_0" / "metrics.csv").open()))
-    assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
-
-
-def test_layout_that_does_not_fit_exits_before_launching():
-    out = train("strategy.tp=3", "trainer.devices=4", "logger=none", "callbacks=none", timeout=60)
-    assert out.returncode != 0
-    assert "needs the world size (4) to be divisible by pp × dp_replicate × tp = 1 × 1 × 3 = 3" in out.stderr
-
-
-@pytest.mark.dist
-def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging():
-    """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
-    both processes raise and exit rather than one waiting for the other in a collective."""
-    out = train(
+dp2_tp2_app = background.fixture(
+    "dp2_tp2_app",
+    lambda folder: (
+        folder,
+        train(
+            folder,
+            "experiment=dp2_tp2",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=2",
+            "model.n_layer=2",
+            "model.n_embd=64",
+            "callbacks=none",
+        ),
+    ),
+)
+too_wide_tp = background.fixture(
+    "too_wide_tp",
+    lambda folder: train(folder, "strategy.tp=3", "trainer.devices=4", "logger=none", "callbacks=none", timeout=300),
+)
+tp_does_not_divide_the_heads = background.fixture(
+    "tp_does_not_divide_the_heads",
+    lambda folder: train(
+        folder,
         "strategy.tp=2",
         "trainer.devices=2",
         "model.n_head=3",
         "model.n_embd=48",
         "logger=none",
         "callbacks=none",
-        timeout=180,
-    )
+        timeout=300,
+    ),
+)
+estimate_mode = background.fixture(
+    "estimate_mode",
+    lambda folder: train(
+        folder, "experiment=demo", "mode=estimate", "strategy.activation_checkpointing=full", timeout=300
+    ),
+)
+unknown_mode = background.fixture(
+    "unknown_mode", lambda folder: train(folder, "mode=profile", "logger=none", "callbacks=none", timeout=300)
+)
+
+
+@pytest.mark.dist
+def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
+    folder, out = dp2_tp2_app
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in out.stdout + out.stderr
+    rows = list(csv.DictReader((folder / "logs" / "version_0" / "metrics.csv").open()))
+    assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
+
+
+def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
+    out = too_wide_tp
+    assert out.returncode != 0
+    assert "needs the world size (4) to be divisible by pp × dp_replicate × tp = 1 × 1 × 3 = 3" in out.stderr
+
+
+@pytest.mark.dist
+def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging(tp_does_not_divide_the_heads):
+    """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
+    both processes raise and exit rather than one waiting for the other in a collective."""
+    out = tp_does_not_divide_the_heads
     assert out.returncode != 0
     assert "tp=2 does not divide the head count model.transformer.h.0.attn.n_head=3" in out.stderr
 
 
-def test_estimate_mode_prints_the_per_rank_table_without_launching():
+def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode):
     """`mode=estimate` answers in the launching process: no rank is started (the demo's layout needs 8)."""
-    out = train("experiment=demo", "mode=estimate", "strategy.activation_checkpointing=full", timeout=120)
+    out = estimate_mode
     assert out.returncode == 0, out.stderr[-3000:]
     assert "par3d memory estimate: pp=2 × dp_replicate=1 × dp_shard=2 × tp=2, ZeRO-3, 32-true" in out.stdout
     assert "| pp rank | stages | ranks | params | grads | optimizer | activations | in flight |" in out.stdout
@@ -77,7 +103,7 @@ def test_estimate_mode_prints_the_per_rank_table_without_launching():
     assert "Initializing distributed" not in out.stdout + out.stderr
 
 
-def test_unknown_mode_is_a_clear_error():
-    out = train("mode=profile", "logger=none", "callbacks=none", timeout=60)
+def test_unknown_mode_is_a_clear_error(unknown_mode):
+    out = unknown_mode
     assert out.returncode != 0
     assert "mode='profile' is not a mode. Allowed: 'train', 'estimate'." in out.stderr

@@ -3,7 +3,9 @@ a rank killed, stalled or raising ends the whole job within timeout_s + 30 s, no
 the output names the rank; a save killed part-way leaves the previous checkpoint, which resumes on the
 single-process trajectory.
 
-The trees run a few at a time (:func:`_run_waves`), so that their waiting overlaps.
+The trees run a few at a time (:func:`_run_waves`), so that their waiting overlaps, and in the background of the
+session (``tests/background.py``): they start at a lower CPU priority, and each gets the normal priority back the
+moment its fault happens, so that how long the job then takes to end is measured as a user would see it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import background, preloaded
 from tests.gpt_runs import run_par3d, run_reference
 
 pytestmark = pytest.mark.dist
@@ -27,7 +29,8 @@ pytestmark = pytest.mark.dist
 SCRIPT = Path(__file__).with_name("fault_script.py")
 TIMEOUT_S = 20
 FAULT_STEP = 3
-TREE_LIMIT_S = 240  # a tree still running after this has hung: killed, and its case fails
+TREE_LIMIT_S = 600  # a tree still running after this has hung: killed, and its case fails
+PAST_DUE_S = 30  # a tree still running this long after it should have ended is killed (its case fails)
 ONE_BATCH = dict(max_bytes=257, val_fraction=0.0)  # the fault script's data: 8 windows, one global batch per epoch
 
 
@@ -70,7 +73,9 @@ KILLED_SAVES = [
 ]
 
 
-def _launch(case: Case, out: Path) -> tuple[subprocess.Popen, Path]:
+def _launch(case: Case, out: Path) -> tuple[preloaded.Process, Path]:
+    """Starts the case's launcher (rank 0) as a fork of the preloaded server: it then launches the other ranks as
+    fresh processes, as Lightning's subprocess launcher always does."""
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if case.kill_save:
@@ -79,15 +84,7 @@ def _launch(case: Case, out: Path) -> tuple[subprocess.Popen, Path]:
     if case.kill_save:
         args.append("checkpoints")
     log = out / "output.txt"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        cwd=out,
-        env=env,
-        start_new_session=True,
-    )
-    return proc, log
+    return background.start_script([str(SCRIPT), *args], out, log, log, env), log
 
 
 @dataclass
@@ -95,12 +92,13 @@ class Tree:
     """A running case: its launcher process (rank 0), output folder and log, and when it started."""
 
     case: Case
-    proc: subprocess.Popen
+    proc: preloaded.Process
     out: Path
     log: Path
     started: float
     deadline: float | None = None
     """Set when the launcher has ended: by then every other process of the job must have ended too."""
+    priority_restored: bool = False
 
 
 def _fault_at(out: Path) -> float | None:
@@ -114,14 +112,20 @@ def _pids(out: Path) -> list[int]:
 def _ended(tree: Tree) -> bool:
     """Whether the job is over: its launcher and every rank have ended, or the launcher has and the others are
     past their deadline (the fault plus timeout_s + 30 s, or 10 s at least), or the tree is past its limit. The
-    launcher (rank 0) may be the rank killed; the others must then end on their own."""
+    launcher (rank 0) may be the rank killed; the others must then end on their own. The tree gets the normal CPU
+    priority back once its fault has happened or its launcher has ended."""
+    fault_at = _fault_at(tree.out)
+    if not tree.priority_restored and (fault_at is not None or tree.proc.poll() is not None):
+        background.restore_priority(tree.proc.pid)
+        tree.priority_restored = True
     if time.monotonic() - tree.started > TREE_LIMIT_S:
+        return True
+    if fault_at is not None and time.time() > fault_at + TIMEOUT_S + 30 + PAST_DUE_S:
         return True
     if tree.proc.poll() is None:
         return False
     if tree.deadline is None:
-        fault_at = _fault_at(tree.out) or time.time()
-        tree.deadline = max(time.time() + 10, fault_at + TIMEOUT_S + 30)
+        tree.deadline = max(time.time() + 10, (fault_at or time.time()) + TIMEOUT_S + 30)
     return time.time() > tree.deadline or not any(_alive(p) for p in _pids(tree.out))
 
 
@@ -130,8 +134,9 @@ def _collect(tree: Tree) -> Outcome:
     try:
         returncode = tree.proc.wait(timeout=1)
     except subprocess.TimeoutExpired:
-        os.killpg(tree.proc.pid, 9)
+        background.kill_group(tree.proc.pid)
         returncode = tree.proc.wait()
+    background.forget(tree.proc)
     ended = time.time()
     left = [p for p in _pids(tree.out) if _alive(p)]
     for pid in left:  # do not leave them to the rest of the suite
@@ -174,11 +179,12 @@ def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Out
     return outcomes
 
 
-@pytest.fixture(scope="module")
-def trees(tmp_path_factory) -> tuple[dict[str, Outcome], Path]:
-    """Every process tree of this module (the faults and the killed saves), run together."""
-    root = tmp_path_factory.mktemp("trees")
+def _all_trees(root: Path) -> tuple[dict[str, Outcome], Path]:
     return _run_waves(FAULTS + KILLED_SAVES, root), root
+
+
+trees = background.fixture("trees", _all_trees, order=0)
+"""Every process tree of this module (the faults and the killed saves), run together in the background."""
 
 
 @pytest.fixture(scope="module")

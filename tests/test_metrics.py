@@ -4,7 +4,10 @@ numbers at every layout."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
+from tests import background
 from tests.gpt_runs import MODEL, SEED, ReferenceData, trainer_kwargs
 
 # 16 validation windows of 32 bytes: divisible by every data-parallel size, so no sampler pads (a padded sample
@@ -310,7 +314,7 @@ class Lit(GPTModule):  # defined in the user's script: its class lives in __main
 
 
 trainer = L.Trainer(
-    accelerator="cpu", devices=4, strategy=Par3DStrategy(pp=2, tp=2, timeout_s=60), max_steps=2, logger=False,
+    accelerator="cpu", devices=4, strategy=Par3DStrategy(pp=2, tp=2, timeout_s=300), max_steps=2, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     limit_val_batches=0, default_root_dir={root!r}, callbacks=[MemoryStats()],
 )
@@ -319,15 +323,19 @@ trainer.fit(Lit(block_size=32, n_layer=2, n_head=4, n_embd=32), ShakespeareDataM
 """
 
 
-def test_memory_stats_estimate_for_a_module_defined_in_the_script(tmp_path):
-    """The estimate column is filled for a LightningModule whose class is defined in the training script."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def _run_memory_script(folder: Path) -> subprocess.CompletedProcess:
+    script = folder / "train_here.py"
+    script.write_text(MEMORY_SCRIPT.format(repo=str(Path(__file__).parents[1]), root=str(folder)))
+    return background.run([sys.executable, str(script)], timeout=600, cwd=folder)
 
-    script = tmp_path / "train_here.py"
-    script.write_text(MEMORY_SCRIPT.format(repo=str(Path(__file__).parents[1]), root=str(tmp_path)))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+memory_script = background.fixture("memory_script", _run_memory_script)
+
+
+def test_memory_stats_estimate_for_a_module_defined_in_the_script(memory_script):
+    """The estimate column is filled for a LightningModule whose class is defined in the training script (run in
+    the background: see ``tests/background.py``)."""
+    run = memory_script
     assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
     assert "par3d memory per rank" in output, output[-3000:]
