@@ -4,8 +4,9 @@ the output names the rank; a save killed part-way leaves the previous checkpoint
 single-process trajectory.
 
 The trees run a few at a time (:func:`_run_waves`), so that their waiting overlaps, and in the background of the
-session (``tests/background.py``): they start at a lower CPU priority, and each gets the normal priority back the
-moment its fault happens, so that how long the job then takes to end is measured as a user would see it.
+session (``tests/background.py``): they start at a lower CPU priority, and each is put ahead of the pooled jobs the
+moment its fault happens, so that how long the job then takes to end is measured as on a machine that is not running
+a test suite beside it.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Tree:
     started: float
     deadline: float | None = None
     """Set when the launcher has ended: by then every other process of the job must have ended too."""
-    priority_restored: bool = False
+    priority_raised: bool = False
 
 
 def _fault_at(out: Path) -> float | None:
@@ -112,12 +113,12 @@ def _pids(out: Path) -> list[int]:
 def _ended(tree: Tree) -> bool:
     """Whether the job is over: its launcher and every rank have ended, or the launcher has and the others are
     past their deadline (the fault plus timeout_s + 30 s, or 10 s at least), or the tree is past its limit. The
-    launcher (rank 0) may be the rank killed; the others must then end on their own. The tree gets the normal CPU
-    priority back once its fault has happened or its launcher has ended."""
+    launcher (rank 0) may be the rank killed; the others must then end on their own. The tree is put ahead of the
+    pooled jobs (``background.raise_priority``) once its fault has happened or its launcher has ended."""
     fault_at = _fault_at(tree.out)
-    if not tree.priority_restored and (fault_at is not None or tree.proc.poll() is not None):
-        background.restore_priority(tree.proc.pid)
-        tree.priority_restored = True
+    if not tree.priority_raised and (fault_at is not None or tree.proc.poll() is not None):
+        background.raise_priority(tree.proc.pid)
+        tree.priority_raised = True
     if time.monotonic() - tree.started > TREE_LIMIT_S:
         return True
     if fault_at is not None and time.time() > fault_at + TIMEOUT_S + 30 + PAST_DUE_S:
@@ -180,7 +181,10 @@ def _run_waves(cases: list[Case], root: Path, at_once: int = 5) -> dict[str, Out
 
 
 def _all_trees(root: Path) -> tuple[dict[str, Outcome], Path]:
-    return _run_waves(FAULTS + KILLED_SAVES, root), root
+    outcomes = _run_waves(FAULTS + KILLED_SAVES, root)
+    ends = {name: round(outcome.ended_after_fault_s, 1) for name, outcome in outcomes.items()}
+    (root / "ended_after_fault_s.json").write_text(json.dumps(ends, indent=1))  # the margins, for a person to read
+    return outcomes, root
 
 
 trees = background.fixture("trees", _all_trees, order=0)
