@@ -1,5 +1,6 @@
 """The Hydra app end to end, with Lightning's own launcher: a short run trains, and misconfigured runs exit with
-the error instead of hanging."""
+the error instead of hanging. Each run is a background case (``tests/background.py``): it runs while the pooled
+tests run, and its test checks the result at the end of the session."""
 
 from __future__ import annotations
 
