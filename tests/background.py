@@ -141,7 +141,8 @@ def run_script(
     argv: list[str], timeout: float, cwd: Path, output: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """:func:`run` for ``python *argv``, forked from the preloaded server: stdout and stderr go to files in
-    ``output`` and come back as text."""
+    ``output`` and come back as text. Processes of the job still running 30 s after it ended are killed, and that
+    fails the case."""
     stdout, stderr = output / "stdout.txt", output / "stderr.txt"
     proc = start_script(argv, cwd, stdout, stderr, env)
     try:
@@ -151,10 +152,10 @@ def run_script(
         raise
     finally:
         forget(proc)
-    left_behind = not _group_ends(proc.pid, within_s=30)
     read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
-    errors = read(stderr) + ("\nprocesses of the job were left behind (killed)" if left_behind else "")
-    return subprocess.CompletedProcess(argv, code, read(stdout), errors)
+    if not _group_ends(proc.pid, within_s=30):
+        raise AssertionError(f"{argv}: processes of the job outlived it by 30 s (killed).\n{read(stderr)[-3000:]}")
+    return subprocess.CompletedProcess(argv, code, read(stdout), read(stderr))
 
 
 def _group_ends(group: int, within_s: float) -> bool:

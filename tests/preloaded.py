@@ -25,14 +25,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ["torch", "torch.distributed.tensor", "lightning", "torchmetrics", "hydra", "examples.gpt", "examples.data"]
+EXTRA_PRELOAD = ["hydra", "examples.data"]
+"""What the server imports besides the test pool's own preload (``tests.harness.PRELOAD``): the Hydra app's and the
+fault script's other imports."""
 
 
 # ------------------------------------------------------------------------------------------------------- server
 def _serve() -> None:
     path = list(sys.path[1:])  # the interpreter's own path, without this file's folder
     sys.path.insert(0, str(ROOT))
-    for name in PRELOAD:
+    from tests.harness import PRELOAD
+
+    for name in [*PRELOAD, *EXTRA_PRELOAD]:
         __import__(name)
     sys.path[:] = path
     print(json.dumps({"ready": True}), flush=True)
@@ -108,8 +112,7 @@ class _Server:
         ready = self._proc.stdout.readline()
         if not ready:
             raise RuntimeError("the preloaded server did not start")
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        self._changed = threading.Condition()
         self._pids: dict[int, int] = {}
         self._codes: dict[int, int] = {}
         self._next = 0
@@ -134,7 +137,8 @@ class _Server:
             ident = self._next
             self._proc.stdin.write((json.dumps({**request, "id": ident}) + "\n").encode())
             self._proc.stdin.flush()
-            self._changed.wait_for(lambda: ident in self._pids, timeout=60)
+            if not self._changed.wait_for(lambda: ident in self._pids, timeout=60):
+                raise RuntimeError(f"the preloaded server did not start {request['argv']} within 60 s")
             return self._pids.pop(ident)
 
     def code(self, pid: int, timeout: float | None) -> int | None:

@@ -237,6 +237,7 @@ def one_batch_reference() -> dict:
 def test_a_save_killed_part_way_leaves_the_previous_checkpoint(pool2, killed_saves, case):
     outcome, out = killed_saves[case.name]
     assert outcome.returncode != 0, outcome.output[-3000:]
+    assert outcome.ended_after_fault_s <= TIMEOUT_S + 30, (outcome.ended_after_fault_s, outcome.output[-3000:])
     assert outcome.left_behind == []
     last = out / "ckpt" / "last.ckpt"
     resumed = pool2.run(run_par3d, strategy=case.layout, devices=2, data=ONE_BATCH, resume_from=str(last))[0]
