@@ -5,9 +5,9 @@
 trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes, and at the start of
 step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
 this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
-rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault. With ``checkpoints`` the run saves
-``last.ckpt`` every step into ``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``:
-``<rank>:<point>``).
+rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault, and a rank whose ``fit`` raises
+writes ``OUT/raised<rank>`` with the time it did. With ``checkpoints`` the run saves ``last.ckpt`` every step into
+``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,11 @@ def main() -> None:
     data = ShakespeareDataModule(
         block_size=32, batch_size=8 // dp, max_bytes=257, val_fraction=0.0
     )  # 8 windows: one batch
-    trainer.fit(GPTModule(**MODEL), data)
+    try:
+        trainer.fit(GPTModule(**MODEL), data)
+    except BaseException:
+        (out_dir / f"raised{local_rank}").write_text(str(time.time()))  # when the failure reached the script
+        raise
 
 
 if __name__ == "__main__":

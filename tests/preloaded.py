@@ -5,21 +5,34 @@ otherwise spend about 6 s of CPU importing before it does anything.
 The server (``python tests/preloaded.py``, started on first use) reads one request per line on stdin and forks a
 child per request. The child starts a new session (its PID is its process group), points stdin at ``/dev/null`` and
 stdout/stderr at the requested files, takes the requested working directory, environment and ``sys.argv``, and runs
-the script as ``__main__`` (``runpy``), so ``__main__.__file__`` and ``sys.argv`` are what a launcher re-executes
-(Lightning's subprocess launcher starts the other ranks as fresh ``python script.py args`` processes). It then leaves
-through the interpreter's normal exit, atexit handlers included, with the script's exit code. The server reaps its
-children and reports each exit code; it stays single-threaded, so forking it is safe.
+the script as ``__main__`` (``runpy``), so ``__main__.__file__`` and ``sys.argv`` are what a launcher re-executes.
+It then leaves through the interpreter's normal exit, atexit handlers included, with the script's exit code. The
+server reaps its children and reports each exit code; it stays single-threaded, so forking it is safe.
+
+**The ranks a child launches.** Lightning's subprocess launcher starts the other ranks as
+``[sys.executable, script, *args]``: fresh interpreters, each importing Lightning anew. In a child,
+``sys.executable`` is a stand-in (:func:`_write_stand_in`) that runs ``python script.py args`` as another fork of the
+server, with the stand-in's own stdin, stdout, stderr (passed over a Unix socket), working directory, environment
+and niceness; anything else (``python -c``, ``python -m``) it hands to the real interpreter. The stand-in stays
+for as long as the fork runs and is its handle for the launcher: it forwards the signals a process can catch, exits
+with the fork's exit code (or dies of the same signal), and when the stand-in is killed (``SIGKILL``: Lightning's
+launcher ending the job), the fork kills itself at once. The fork runs in its own session, so
+``tests.background.raise_priority`` takes the PIDs the ranks write as well as the launcher's group.
 
 :class:`Process` is the caller's handle, shaped like ``subprocess.Popen``: ``pid``, ``poll``, ``wait``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXTRA_PRELOAD = ["hydra", "examples.data"]
 """What the server imports besides the test pool's own preload (``tests.harness.PRELOAD``): the Hydra app's and the
 fault script's other imports."""
+SOCKET_ENV = "PAR3D_PRELOADED_SOCKET"
+"""The environment variable that tells a stand-in where the server listens (set in every child's environment)."""
+CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 # ------------------------------------------------------------------------------------------------------- server
@@ -39,51 +55,110 @@ def _serve() -> None:
     for name in [*PRELOAD, *EXTRA_PRELOAD]:
         __import__(name)
     sys.path[:] = path
+    forks = _Forks(tempfile.mkdtemp(prefix="par3d-preloaded-"))
     print(json.dumps({"ready": True}), flush=True)
-    children: set[int] = set()
     buffered = b""
     while True:
-        readable, _, _ = select.select([0], [], [], 0.05)
-        if readable:
+        readable, _, _ = select.select([0, forks.listener.fileno()], [], [], 0.05)
+        if 0 in readable:
             chunk = os.read(0, 65536)
-            if not chunk:  # the caller has gone: leave the children to their process groups
+            if not chunk:  # the caller has gone: leave the children to their sessions
                 return
             buffered += chunk
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
                 request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _child(request)  # never returns here: raises SystemExit
-                children.add(pid)
-                _reply({"id": request["id"], "pid": pid})
-        for pid in list(children):
+                _reply({"id": request["id"], "pid": forks.fork(request)})
+        if forks.listener.fileno() in readable:
+            forks.accept()
+        forks.reap()
+
+
+class _Forks:
+    """The server's children: those the caller asked for (their exit codes go back on stdout) and the stand-ins'
+    (each exit code goes back on the stand-in's connection)."""
+
+    def __init__(self, folder: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(os.path.join(folder, "socket"))
+        self.listener.listen(64)
+        self.stand_in = _write_stand_in(folder)
+        self.children: dict[int, socket.socket | None] = {}
+
+    def fork(self, request: dict[str, Any], connection: socket.socket | None = None) -> int:
+        request["env"] = {**request["env"], SOCKET_ENV: self.listener.getsockname()}
+        pid = os.fork()
+        if pid == 0:
+            for sock in [self.listener, *filter(None, self.children.values()), connection]:
+                if sock is not None:
+                    sock.close()
+            _child(request, self.stand_in)  # never returns here: raises SystemExit
+        self.children[pid] = connection
+        return pid
+
+    def accept(self) -> None:
+        """Reads a stand-in's request (and its stdin, stdout, stderr), forks its child, tells it the child's PID."""
+        connection, _ = self.listener.accept()
+        try:
+            connection.settimeout(10)
+            data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+            while not data.endswith(b"\n"):
+                more = connection.recv(1 << 20)
+                if not more:
+                    raise ValueError("a stand-in's request ended early")
+                data += more
+            try:
+                pid = self.fork({**json.loads(data), "fds": fds}, connection)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            connection.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        except (OSError, ValueError):  # a stand-in that died or sent nothing
+            connection.close()
+
+    def reap(self) -> None:
+        for pid in list(self.children):
             done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                _reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+            if not done:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            connection = self.children.pop(pid)
+            if connection is None:
+                _reply({"exit": pid, "code": code})
+                continue
+            with contextlib.suppress(OSError):  # the stand-in may have been killed
+                connection.sendall((json.dumps({"code": code}) + "\n").encode())
+            connection.close()
 
 
 def _reply(message: dict[str, Any]) -> None:
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
-def _child(request: dict[str, Any]) -> None:
+def _child(request: dict[str, Any], stand_in: str) -> None:
     import runpy
 
     os.setsid()
-    if request.get("nice"):
-        os.nice(request["nice"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
+    if "fds" in request:  # a stand-in's: its own streams
+        for fd, passed in enumerate(request["fds"]):
+            os.dup2(passed, fd)
+        _die_with(request["stand_in"])
+    else:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, request.get("nice", 0))
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])
+    sys.executable = stand_in
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as ``python script.py`` does
     code: Any = 0
     try:
@@ -98,6 +173,72 @@ def _child(request: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     raise SystemExit(code)
+
+
+def _die_with(stand_in: int) -> None:
+    """Kills this process the moment the stand-in ``stand_in`` ends (it outlives this process unless killed)."""
+    try:
+        handle = os.pidfd_open(stand_in)
+    except (AttributeError, OSError):  # no pidfd (an old kernel): poll for the PID instead
+        handle = None
+        if not _alive(stand_in):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while _alive(stand_in):
+                threading.Event().wait(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="preloaded-stand-in-watch").start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _write_stand_in(folder: str) -> str:
+    """An executable ``python`` in ``folder`` that runs this file's :func:`_stand_in` on the real interpreter,
+    without the site packages (``-I -S``: it imports nothing but the standard library, in milliseconds)."""
+    path = os.path.join(folder, "python")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{__file__}' --stand-in \"$@\"\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------- stand-in
+def _stand_in(argv: list[str]) -> None:
+    """``python *argv``: a script as a fork of the server (see the module's docstring); anything else runs on the
+    real interpreter."""
+    if not argv or argv[0].startswith("-") or SOCKET_ENV not in os.environ:
+        os.execv(sys.executable, [sys.executable, *argv])
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(os.environ[SOCKET_ENV])
+    request = dict(
+        argv=argv,
+        cwd=os.getcwd(),
+        env=dict(os.environ),
+        stand_in=os.getpid(),
+        nice=os.getpriority(os.PRIO_PROCESS, 0),
+    )
+    socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+    replies = connection.makefile("rb")
+    child = json.loads(replies.readline())["pid"]
+    for caught in CAUGHT:
+        signal.signal(caught, lambda received, _: os.kill(child, received))
+    line = replies.readline()
+    code = json.loads(line)["code"] if line else -int(signal.SIGKILL)
+    if code < 0:  # the fork died of a signal: so does its stand-in
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
 
 
 # ------------------------------------------------------------------------------------------------------- client
@@ -208,4 +349,7 @@ def close() -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    if sys.argv[1:2] == ["--stand-in"]:
+        _stand_in(sys.argv[2:])
+    else:
+        _serve()
