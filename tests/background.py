@@ -47,7 +47,9 @@ _CASES: dict[str, tuple[int, Callable[[Path], Any]]] = {}
 _STARTED: dict[str, Future] = {}
 _GROUPS: set[int] = set()  # process groups still running, killed when the session ends
 _LOCK = threading.Lock()
-_EXECUTOR = ThreadPoolExecutor(max_workers=3, thread_name_prefix="background")
+_EXECUTOR = ThreadPoolExecutor(
+    max_workers=int(os.environ.get("PAR3D_BG_WORKERS", "3")), thread_name_prefix="background"
+)
 
 
 def fixture(name: str, case: Callable[[Path], Any], order: int = 1) -> Any:

@@ -5,13 +5,15 @@
 trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes, and at the start of
 step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
 this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
-rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault, and a rank whose ``fit`` raises
-writes ``OUT/raised<rank>`` with the time it did. With ``checkpoints`` the run saves ``last.ckpt`` every step into
-``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
+rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault; a rank whose ``fit`` raises writes
+``OUT/raised<rank>`` with the time it did, and every rank writes ``OUT/atexit<rank>`` as its interpreter begins to
+exit. With ``checkpoints`` the run saves ``last.ckpt`` every step into ``OUT/ckpt`` (the kill-during-save cases
+patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -47,10 +49,15 @@ class Fault(L.Callback):
 
 
 def note_the_fault(out: Path) -> None:
-    """Writes ``out/fault_at``, the time of the fault; whole, since the test polls for it."""
-    partial = out / "fault_at.partial"
+    """Writes ``out/fault_at``, the time of the fault."""
+    stamp(out / "fault_at")
+
+
+def stamp(path: Path) -> None:
+    """Writes the time to ``path`` whole (the test polls for it, and a rank may be killed while it writes)."""
+    partial = path.with_name(path.name + ".partial")
     partial.write_text(str(time.time()))
-    os.replace(partial, out / "fault_at")
+    os.replace(partial, path)
 
 
 def kill_during_save(spec: str, out: Path) -> None:
@@ -103,6 +110,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     (out_dir / f"pid{local_rank}").write_text(str(os.getpid()))
+    atexit.register(stamp, out_dir / f"atexit{local_rank}")
     if os.environ.get("KILL_SAVE"):
         kill_during_save(os.environ["KILL_SAVE"], out_dir)
     checkpoints = "checkpoints" in sys.argv[7:]
@@ -124,7 +132,7 @@ def main() -> None:
     try:
         trainer.fit(GPTModule(**MODEL), data)
     except BaseException:
-        (out_dir / f"raised{local_rank}").write_text(str(time.time()))  # when the failure reached the script
+        stamp(out_dir / f"raised{local_rank}")  # when the failure reached the script
         raise
 
 

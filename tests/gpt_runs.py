@@ -8,6 +8,8 @@ which yields the same permutation; so every optimizer step of both runs sees the
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +94,22 @@ def run_reference(
     data: dict[str, Any] | None = None,
     **trainer_overrides: Any,
 ) -> dict:
-    """The single-process run (Lightning's default strategy on one CPU device)."""
+    """The single-process run (Lightning's default strategy on one CPU device): trained once per session for each
+    distinct run (many modules compare with the same one), and handed out as a fresh dict of the same tensors."""
+    spec = dict(max_steps=max_steps, model={**MODEL, **(model or {})}, data={**DATA, **(data or {})})
+    done = _train_reference(json.dumps({**spec, **trainer_overrides}, sort_keys=True))
+    return {"losses": list(done["losses"]), "params": dict(done["params"])}
+
+
+@functools.cache
+def _train_reference(spec: str) -> dict:
+    run = json.loads(spec)
+    max_steps, model, data = run.pop("max_steps"), run.pop("model"), run.pop("data")
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
-    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **trainer_overrides))
-    module = GPTModule(**{**MODEL, **(model or {})})
-    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **{**DATA, **(data or {})}))
+    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **run))
+    module = GPTModule(**model)
+    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **data))
     return {"losses": recorder.losses, "params": full_state(module)}
 
 

@@ -7,7 +7,8 @@ child per request. The child starts a new session (its PID is its process group)
 stdout/stderr at the requested files, takes the requested working directory, environment and ``sys.argv``, and runs
 the script as ``__main__`` (``runpy``), so ``__main__.__file__`` and ``sys.argv`` are what a launcher re-executes.
 It then leaves through the interpreter's normal exit, atexit handlers included, with the script's exit code. The
-server reaps its children and reports each exit code; it stays single-threaded, so forking it is safe.
+server reaps its children and reports each one's exit code and when it ended (:func:`ended_at`); it stays
+single-threaded, so forking it is safe.
 
 **The ranks a child launches.** Lightning's subprocess launcher starts the other ranks as
 ``[sys.executable, script, *args]``: fresh interpreters, each importing Lightning anew. In a child,
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +77,8 @@ def _serve() -> None:
 
 
 class _Forks:
-    """The server's children: those the caller asked for (their exit codes go back on stdout) and the stand-ins'
-    (each exit code goes back on the stand-in's connection)."""
+    """The server's children: those the caller asked for and the stand-ins' (whose exit codes also go back on the
+    stand-in's connection). Every child's end, with its exit code and time, is reported on stdout."""
 
     def __init__(self, folder: str) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -123,8 +125,8 @@ class _Forks:
                 continue
             code = os.waitstatus_to_exitcode(status)
             connection = self.children.pop(pid)
+            _reply({"exit": pid, "code": code, "at": time.time()})
             if connection is None:
-                _reply({"exit": pid, "code": code})
                 continue
             with contextlib.suppress(OSError):  # the stand-in may have been killed
                 connection.sendall((json.dumps({"code": code}) + "\n").encode())
@@ -256,6 +258,7 @@ class _Server:
         self._changed = threading.Condition()
         self._pids: dict[int, int] = {}
         self._codes: dict[int, int] = {}
+        self._ended_at: dict[int, float] = {}
         self._next = 0
         self._closed = False
         threading.Thread(target=self._read, daemon=True, name="preloaded-replies").start()
@@ -269,6 +272,7 @@ class _Server:
                     self._pids[message["id"]] = message["pid"]
                 else:
                     self._codes[message["exit"]] = message["code"]
+                    self._ended_at[message["exit"]] = message["at"]
                 self._changed.notify_all()
 
     def start(self, request: dict[str, Any]) -> int:
@@ -286,6 +290,10 @@ class _Server:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._codes or self._closed, timeout=timeout)
             return self._codes.get(pid, -9 if self._closed else None)
+
+    def ended_at(self, pid: int) -> float | None:
+        with self._changed:
+            return self._ended_at.get(pid)
 
     def close(self) -> None:
         """Ends the server; a child it has not reported is then taken as killed (the session's end kills them)."""
@@ -337,6 +345,12 @@ class Process:
             raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
         self.returncode = code
         return code
+
+
+def ended_at(pid: int) -> float | None:
+    """When a child of the server ended (``time.time()``, as the server reaped it): a script it started, or a rank
+    started through its stand-in ``python``; None while it runs, or for a PID that is not the server's child."""
+    return _server().ended_at(pid)
 
 
 def close() -> None:

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def train(folder: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python examples/train.py *overrides`` with its Hydra run folder in ``folder``, as a background case (see
     ``tests/background.py``): it runs while the pooled tests run, and its test checks the result at the end. The
-    launching process is a fork of a server that has imported Lightning already (``tests/preloaded.py``); the ranks
-    it launches are fresh processes, as always."""
+    launching process is a fork of a server that has imported Lightning already (``tests/preloaded.py``), and so are
+    the ranks Lightning's launcher starts from it, through a stand-in ``python``."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     command = ["examples/train.py", *overrides, f"hydra.run.dir={folder}"]
     return background.run_script(command, timeout=timeout, cwd=ROOT, output=folder, env=env)
@@ -81,8 +81,10 @@ def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
 
 def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
     out = too_wide_tp
-    assert out.returncode != 0
-    assert "needs the world size (4) to be divisible by pp × dp_replicate × tp = 1 × 1 × 3 = 3" in out.stderr
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "needs the world size (4) to be divisible by pp × dp_replicate × tp = 1 × 1 × 3 = 3" in out.stderr, (
+        out.stderr
+    )
 
 
 @pytest.mark.dist
@@ -90,8 +92,8 @@ def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging(tp_do
     """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
     both processes raise and exit rather than one waiting for the other in a collective."""
     out = tp_does_not_divide_the_heads
-    assert out.returncode != 0
-    assert "tp=2 does not divide the head count model.transformer.h.0.attn.n_head=3" in out.stderr
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "tp=2 does not divide the head count model.transformer.h.0.attn.n_head=3" in out.stderr, out.stderr[-3000:]
 
 
 def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode):
@@ -106,5 +108,5 @@ def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode
 
 def test_unknown_mode_is_a_clear_error(unknown_mode):
     out = unknown_mode
-    assert out.returncode != 0
-    assert "mode='profile' is not a mode. Allowed: 'train', 'estimate'." in out.stderr
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "mode='profile' is not a mode. Allowed: 'train', 'estimate'." in out.stderr, out.stderr[-3000:]
