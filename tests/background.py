@@ -2,10 +2,10 @@
 
 The suite is CPU-bound on a small machine, but the pooled jobs leave a core idle now and then (ranks waiting on each
 other, the single-process references). The cases that launch their own process trees (the fault trees, the Hydra
-app, a user's script) need no pool, so they start when the session starts, in threads of the pytest process, at a
-lower CPU priority (:data:`NICE`): they take the CPU the pooled jobs leave, and the pooled jobs, some of which time
-their own steps, keep their share. The tests that check them run last (``conftest.pytest_collection_modifyitems``)
-and wait for their results.
+app, a user's script) need no pool, so they start when the session starts, one at a time in a thread of the pytest
+process, at a lower CPU priority (:data:`NICE`): they take the CPU the pooled jobs leave, and the pooled jobs, some
+of which time their own steps, keep their share. The tests that check them run last
+(``conftest.pytest_collection_modifyitems``) and wait for their results.
 
 A case is a fixture made by :func:`fixture`: a test that asks for it gets the case's result, and the session starts
 the case at its first test if any selected test asks for it. :func:`run` is ``subprocess.run`` for such cases:

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ def _serve() -> None:
     print(json.dumps({"ready": True}), flush=True)
     buffered = b""
     while True:
-        readable, _, _ = select.select([0, forks.listener.fileno()], [], [], 0.05)
+        readable, _, _ = select.select([0, forks.listener.fileno(), *forks.pending], [], [], 0.05)
         if 0 in readable:
             chunk = os.read(0, 65536)
             if not chunk:  # the caller has gone: leave the children to their sessions
@@ -72,7 +73,10 @@ def _serve() -> None:
                 request = json.loads(line)
                 _reply({"id": request["id"], "pid": forks.fork(request)})
         if forks.listener.fileno() in readable:
-            forks.accept()
+            connection, _ = forks.listener.accept()
+            forks.pending[connection.fileno()] = _Pending(connection)
+        for fd in set(readable) & set(forks.pending):
+            forks.read(fd)
         forks.reap()
 
 
@@ -86,37 +90,44 @@ class _Forks:
         self.listener.listen(64)
         self.stand_in = _write_stand_in(folder)
         self.children: dict[int, socket.socket | None] = {}
+        self.pending: dict[int, _Pending] = {}
+        """Stand-ins' requests still arriving, by their connection's descriptor: read as they come, so that the
+        server never waits on one (a stand-in at the background priority may be slow to send)."""
 
     def fork(self, request: dict[str, Any], connection: socket.socket | None = None) -> int:
         request["env"] = {**request["env"], SOCKET_ENV: self.listener.getsockname()}
         pid = os.fork()
         if pid == 0:
-            for sock in [self.listener, *filter(None, self.children.values()), connection]:
+            others = [p.connection for p in self.pending.values()]
+            for sock in [self.listener, *filter(None, self.children.values()), *others, connection]:
                 if sock is not None:
                     sock.close()
             _child(request, self.stand_in)  # never returns here: raises SystemExit
         self.children[pid] = connection
         return pid
 
-    def accept(self) -> None:
-        """Reads a stand-in's request (and its stdin, stdout, stderr), forks its child, tells it the child's PID."""
-        connection, _ = self.listener.accept()
+    def read(self, fd: int) -> None:
+        """Reads what a stand-in has sent; once its request (and its stdin, stdout, stderr) is whole, forks its child
+        and tells it the child's PID."""
+        pending = self.pending[fd]
         try:
-            connection.settimeout(10)
-            data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-            while not data.endswith(b"\n"):
-                more = connection.recv(1 << 20)
-                if not more:
-                    raise ValueError("a stand-in's request ended early")
-                data += more
-            try:
-                pid = self.fork({**json.loads(data), "fds": fds}, connection)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            connection.sendall((json.dumps({"pid": pid}) + "\n").encode())
-        except (OSError, ValueError):  # a stand-in that died or sent nothing
-            connection.close()
+            data, fds, _, _ = socket.recv_fds(pending.connection, 1 << 20, 3)
+            pending.data += data
+            pending.fds += fds
+            if not data:
+                raise ValueError("a stand-in's request ended early")
+            if not pending.data.endswith(b"\n"):
+                return
+            del self.pending[fd]
+            pid = self.fork({**json.loads(pending.data), "fds": pending.fds}, pending.connection)
+            pending.connection.sendall((json.dumps({"pid": pid}) + "\n").encode())
+        except (OSError, ValueError):  # a stand-in that died or sent nothing: it gets no fork
+            self.pending.pop(fd, None)
+            pending.connection.close()
+        finally:
+            if fd not in self.pending:
+                for passed in pending.fds:
+                    os.close(passed)
 
     def reap(self) -> None:
         for pid in list(self.children):
@@ -215,14 +226,19 @@ def _write_stand_in(folder: str) -> str:
     return path
 
 
+@dataclass
+class _Pending:
+    connection: socket.socket
+    data: bytes = b""
+    fds: list[int] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------------------------------- stand-in
 def _stand_in(argv: list[str]) -> None:
     """``python *argv``: a script as a fork of the server (see the module's docstring); anything else runs on the
     real interpreter."""
     if not argv or argv[0].startswith("-") or SOCKET_ENV not in os.environ:
         os.execv(sys.executable, [sys.executable, *argv])
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(os.environ[SOCKET_ENV])
     request = dict(
         argv=argv,
         cwd=os.getcwd(),
@@ -230,6 +246,8 @@ def _stand_in(argv: list[str]) -> None:
         stand_in=os.getpid(),
         nice=os.getpriority(os.PRIO_PROCESS, 0),
     )
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(os.environ[SOCKET_ENV])
     socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
     replies = connection.makefile("rb")
     child = json.loads(replies.readline())["pid"]
