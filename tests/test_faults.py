@@ -237,6 +237,22 @@ def test_a_failing_rank_ends_the_job(fault_outcomes, case):
     assert _names_the_rank(case, outcome.output), tail
 
 
+def test_the_failure_message_carries_the_whole_error():
+    """Lightning's launcher may SIGKILL rank 0 before its traceback is printed (it polls the ranks it launched, and
+    rank 0 has just ended them): the message printed first must carry every line of the error, not just the first."""
+    from lightning_par3d.parallel.faults import describe_failure
+
+    error = ValueError("Tensor parallelism cannot split this model:\n  - tp=2 does not divide a.n_head=3\n  - b")
+    message = describe_failure(0, 2, error, timeout_s=20)
+    assert message.splitlines()[:3] == [
+        "par3d: rank 0 failed: ValueError: Tensor parallelism cannot split this model:",
+        "      - tp=2 does not divide a.n_head=3",
+        "      - b",
+    ]
+    many = describe_failure(0, 2, RuntimeError("first\n" + "\n".join(f"line {i}" for i in range(100))), 20)
+    assert "    line 39" in many and "line 40" not in many and "(60 more lines)" in many
+
+
 @pytest.fixture(scope="module")
 def killed_saves(trees) -> dict[str, tuple[Outcome, Path]]:
     outcomes, root = trees

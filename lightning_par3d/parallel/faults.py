@@ -16,6 +16,8 @@ from typing import Any
 FIRST_FAILURE = "par3d/first_failure"
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
 """Words (lower case) of the errors a collective raises when another rank stalled or died."""
+_MORE_LINES = 40
+"""At most this many further lines of an error's message are repeated in the failure message."""
 
 
 def _store() -> Any:
@@ -40,8 +42,13 @@ def note_step(rank: int, step: int) -> None:
 def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s: float) -> str:
     """Records ``rank``'s failure and returns a message naming the rank that failed first, why, and (for a
     collective that timed out or lost a peer) the step each rank had started."""
-    text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    detail = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {detail[0] if detail else ''}"
     lines = [f"par3d: rank {rank} failed: {text[:500]}"]
+    # The rest of the error (a list of problems, say) too: Lightning's launcher may kill this process (SIGKILL, once
+    # it sees a rank it launched end) before the traceback is printed, and then this message is all a person sees.
+    rest = [f"    {line[:500]}" for line in detail[1:] if line.strip()]
+    lines += rest[:_MORE_LINES] + ([f"    … ({len(rest) - _MORE_LINES} more lines)"] if len(rest) > _MORE_LINES else [])
     store = _store()
     first = None
     if store is not None:
