@@ -114,9 +114,22 @@ afresh (a fork of the server, a new default group) costs a few seconds; the poll
 far more over a suite (about a quarter of this machine's two cores, measured)."""
 
 
-PRELOAD = ["torch", "torch.distributed.tensor", "lightning", "torchmetrics", "examples.gpt", "tests.gpt_runs"]
+PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "lightning",
+    "torchmetrics",
+    "pytest",
+    "lightning_par3d",
+    "examples.gpt",
+    "tests.gpt_runs",
+]
 """What the fork server imports once: each worker then starts as a fork of it, with these already imported, instead
-of importing them anew (several seconds of CPU per worker on a small machine)."""
+of importing them anew (several seconds of CPU per worker on a small machine). Besides what every job needs, this
+holds what a job's first call would import lazily (checkpointing, pipelining, par3d itself, and pytest, which a test
+module imports when a worker unpickles a job defined in it): up to half a second of CPU per worker otherwise."""
 
 
 def _context() -> Any:

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,7 +59,15 @@ def _serve() -> None:
     for name in [*PRELOAD, *EXTRA_PRELOAD]:
         __import__(name)
     sys.path[:] = path
-    forks = _Forks(tempfile.mkdtemp(prefix="par3d-preloaded-"))
+    folder, server = tempfile.mkdtemp(prefix="par3d-preloaded-"), os.getpid()
+    try:
+        _serve_in(_Forks(folder))
+    finally:  # the caller has gone (the session's end): its socket and stand-in go too; never in a fork, which
+        if os.getpid() == server:  # leaves through here as well (the script's SystemExit)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve_in(forks: _Forks) -> None:
     print(json.dumps({"ready": True}), flush=True)
     buffered = b""
     while True:
