@@ -86,10 +86,10 @@ def end_job(launcher: Any, message: str) -> None:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-    quick_exit_collection()
+    skip_the_shutdown_collection()
 
 
-def quick_exit_collection() -> None:
+def skip_the_shutdown_collection() -> None:
     """When this process exits, its interpreter skips the garbage collection of the whole heap it runs at shutdown.
 
     That collection walks every object torch, Lightning and the model created (millions in a large job), which takes
