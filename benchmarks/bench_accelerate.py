@@ -133,7 +133,7 @@ def _fabric_loop() -> tuple[Any, Any]:
     loader = itertools.islice(_loader(GLOBAL_BATCH // engine.dp_size), engine.dp_rank, None, engine.dp_size)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        fabric.strategy.pipeline_step(model, x, y, gpt_loss)
+        fabric.strategy.train_step(model, x, y, gpt_loss)
         optimizer.step()
         optimizer.zero_grad()
 

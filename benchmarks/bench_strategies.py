@@ -1,9 +1,15 @@
 """par3d against Lightning's own strategies at the same layout: median step times and ratios.
 
-    python benchmarks/bench_strategies.py [--rounds 5] [--steps 30]
+    python benchmarks/bench_strategies.py [--rounds 5] [--steps 30] [--launched-rounds 3]
 
-All runs share one pool of 4 gloo processes (one process tree), the same GPT, the same global batch and the same
-data. Each round runs every pair A/B back to back, swapping which goes first, so that slow drift of the machine
+Two measurements. **As launched** (``--launched-rounds``, the one users see): each run is ``python
+benchmarks/bench_strategies.py --launched-run NAME`` with ``Trainer(devices=4)``, and Lightning's own subprocess
+launcher starts its 4 ranks, exactly as a user's ``python train.py`` does; nothing in the environment is set for
+it (no ``OMP_NUM_THREADS``), so each side gets the threads its own launcher gives. The same pairs alternate which
+goes first every round. **Pooled**: all runs share one pool of 4 gloo processes (one process tree), the same GPT,
+the same global batch and the same data. The pool sets each rank's threads itself, so it compares the strategies'
+own code, not what a user launching them gets (it did not see the thread bug that made par3d's ranks 1–3 use every
+core each). Each round runs every pair A/B back to back, swapping which goes first, so that slow drift of the machine
 hits both sides alike. Each configuration first runs once, unmeasured (first-run costs such as thread pools and
 lazy initialization), and each run drops its warm-up steps. A step's time is the slowest rank's time for that
 step; the table gives the median over all kept steps of all rounds, and the ratio par3d / peer (target: ≤ 1.05).
@@ -19,10 +25,13 @@ Pairs:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -149,17 +158,68 @@ PAIRS = [
 ]
 
 
+def launched_run(name: str, steps: int, warmup: int, out: str) -> None:
+    """Inside a job Lightning's launcher started (every rank runs this): :func:`timed_run`, and rank 0 writes the
+    kept steps' times to ``out``."""
+    import torch.distributed as dist
+
+    times = timed_run(name, steps, warmup)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def as_launched(pairs: list[tuple[str, str]], rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Every run a fresh ``python`` job whose ranks Lightning's launcher starts, as a user launches it."""
+    times: dict[str, list[float]] = {name: [] for pair in pairs for name in pair}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(rounds):
+            for a, b in pairs:
+                for name in (a, b) if r % 2 == 0 else (b, a):
+                    out = Path(folder) / "times.json"
+                    command = [sys.executable, __file__, "--launched-run", name, "--steps", str(steps)]
+                    command += ["--warmup", str(warmup), "--out", str(out)]
+                    subprocess.run(command, env=env, check=True, capture_output=True, timeout=1800)
+                    got = json.loads(out.read_text())
+                    times[name].extend(got)
+                    print(f"launched {r + 1}/{rounds}  {name:24s} median {statistics.median(got) * 1e3:7.1f} ms")
+    return times
+
+
+def print_table(title: str, pairs: list[tuple[str, str]], times: dict[str, list[float]]) -> None:
+    print(f"\n{title}\n")
+    print("| layout | par3d (ms/step) | peer | peer (ms/step) | par3d / peer |")
+    print("|---|---:|---|---:|---:|")
+    for a, b in pairs:
+        ma, mb = statistics.median(times[a]) * 1e3, statistics.median(times[b]) * 1e3
+        print(f"| {a.removeprefix('par3d ')} | {ma:.1f} | {b} | {mb:.1f} | {ma / mb:.3f} |")
+
+
 def main() -> None:
     from tests.harness import DistPool
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="pooled rounds (0: skip the pooled measurement)")
+    parser.add_argument("--launched-rounds", type=int, default=3, help="as-launched rounds (0: skip them)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", default=None, help="run only the pairs whose par3d name contains this")
+    parser.add_argument("--launched-run", default=None, help=argparse.SUPPRESS)  # one as-launched job (internal)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.launched_run is not None:
+        launched_run(args.launched_run, args.steps, args.warmup, args.out)
+        return
 
     pairs = [p for p in PAIRS if args.only is None or args.only in p[0]]
+    machine = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
+    setting = f"GPT {MODEL}, global batch {GLOBAL_BATCH}, {args.steps - args.warmup} kept steps per run"
+    if args.launched_rounds:
+        launched = as_launched(pairs, args.launched_rounds, args.steps, args.warmup)
+        title = f"As launched: {WORLD} {ACCELERATOR.upper()} ranks per job on {machine}; {setting}; "
+        print_table(title + f"{args.launched_rounds} rounds", pairs, launched)
+    if not args.rounds:
+        return
     times: dict[str, list[float]] = {name: [] for pair in pairs for name in pair}
     pool = DistPool(WORLD)
     try:
@@ -175,14 +235,9 @@ def main() -> None:
     finally:
         pool.close()
 
-    machine = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
-    print(f"\n{WORLD} {ACCELERATOR.upper()} ranks on {machine}; GPT {MODEL}, global batch {GLOBAL_BATCH}; ")
-    print(f"{args.rounds} rounds × {args.steps - args.warmup} kept steps per run\n")
-    print("| layout | par3d (ms/step) | peer | peer (ms/step) | par3d / peer |")
-    print("|---|---:|---|---:|---:|")
-    for a, b in pairs:
-        ma, mb = statistics.median(times[a]) * 1e3, statistics.median(times[b]) * 1e3
-        print(f"| {a.removeprefix('par3d ')} | {ma:.1f} | {b} | {mb:.1f} | {ma / mb:.3f} |")
+    print_table(
+        f"Pooled: {WORLD} {ACCELERATOR.upper()} ranks on {machine}; {setting}; {args.rounds} rounds", pairs, times
+    )
 
 
 if __name__ == "__main__":

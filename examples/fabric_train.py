@@ -3,7 +3,7 @@
     python examples/fabric_train.py --devices 4 --dp-shard 2 --tp 2 --steps 50
     python examples/fabric_train.py --devices 4 --pp 2 --tp 2 --steps 50     # pipelined, same loop
 
-Under par3d the step goes through ``fabric.strategy.pipeline_step``, which runs forward and backward at any
+Under par3d the step goes through ``fabric.strategy.train_step``, which runs forward and backward at any
 layout (through the pipeline schedule when pp > 1), so the loop has no layout branches.
 
 Fabric launches the other ranks itself; under torchrun each rank runs this file.
@@ -59,10 +59,10 @@ def fabric_train(
 
     losses = []
     batches = itertools.chain.from_iterable(_epochs(loader, sampler))
-    par3d = hasattr(fabric.strategy, "pipeline_step")
+    par3d = hasattr(fabric.strategy, "train_step")
     for step, (x, y) in zip(range(steps), batches, strict=False):
         if par3d:
-            loss = fabric.strategy.pipeline_step(gpt, x, y, gpt_loss)  # forward + backward, any layout
+            loss = fabric.strategy.train_step(gpt, x, y, gpt_loss)  # forward + backward, any layout
         else:
             loss = gpt_loss(gpt(x), y)
             fabric.backward(loss)

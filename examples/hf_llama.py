@@ -61,7 +61,7 @@ class CausalLMModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model: nn.Module | None = None
-        self.perplexity = Perplexity()
+        self.perplexity = Perplexity(ignore_index=-100)  # -100: a padding position's label (padded fine-tuning)
         self.tokens = SumMetric()
 
     def model_config(self) -> Any:
@@ -92,7 +92,9 @@ class CausalLMModule(L.LightningModule):
             return
         if self.hparams.pretrained_path and not getattr(self._trainer_strategy(), "loads_pretrained", False):
             # One device, or a strategy that does not read the weights itself: transformers loads them.
-            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained_path)
+            # from_pretrained returns the model in eval mode; training starts in train mode (dropout where the
+            # config has it), as with from_config and with par3d's init="pretrained".
+            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained_path).train()
         else:  # par3d with init="pretrained" reads each rank's shards of the weights into the built model
             self.model = AutoModelForCausalLM.from_config(self.model_config())
 
@@ -107,8 +109,9 @@ class CausalLMModule(L.LightningModule):
         logits = logits_of(logits)
         if not self.training:  # validation and test: the metrics see every token once
             self.perplexity.update(logits, targets)
-            self.tokens.update(targets.numel())
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B·T, vocab) against (B·T,)
+            self.tokens.update((targets != -100).sum())
+        # (B·T, vocab) against (B·T,): the mean over the tokens whose label is not -100
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

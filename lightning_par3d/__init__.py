@@ -7,12 +7,19 @@ Importing the package registers the strategy as ``"par3d"`` for both ``lightning
 
     L.Trainer(strategy="par3d", devices=4)  # fully sharded data parallel over all ranks
     L.Trainer(devices=4, strategy=lightning_par3d.Par3DStrategy(dp_shard=2, tp=2))
+
+The package does not import Lightning itself: ``Par3DStrategy`` and ``Par3DFabricStrategy`` load on first use, and
+the registration happens when Lightning is imported, before or after this package
+(:mod:`lightning_par3d.integrations.registration`), so ``import lightning_par3d.engine`` in a plain torch or
+Accelerate script costs no Lightning import.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.integrations.fabric import Par3DFabricStrategy
-from lightning_par3d.integrations.trainer import Par3DStrategy
+from lightning_par3d.integrations.registration import register_when_lightning_loads
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
 from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 from lightning_par3d.parallel.gradients import clip_grad_norm_, total_grad_norm
@@ -44,16 +51,21 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from lightning_par3d.integrations.fabric import Par3DFabricStrategy
+    from lightning_par3d.integrations.trainer import Par3DStrategy
 
-def _register() -> None:
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    description = "par3d: data (ZeRO 0-3, HSDP) × tensor (DTensor) × pipeline parallel, from one config"
-    if "par3d" not in StrategyRegistry:
-        StrategyRegistry.register("par3d", Par3DStrategy, description=description)
-    if "par3d" not in FABRIC_REGISTRY:
-        FABRIC_REGISTRY.register("par3d", Par3DFabricStrategy, description=description)
+_LIGHTNING_FRONT_ENDS = {
+    "Par3DStrategy": "lightning_par3d.integrations.trainer",
+    "Par3DFabricStrategy": "lightning_par3d.integrations.fabric",
+}
 
 
-_register()
+def __getattr__(name: str) -> Any:
+    """The Lightning front-ends, imported (with Lightning) on first use."""
+    if name in _LIGHTNING_FRONT_ENDS:
+        return getattr(importlib.import_module(_LIGHTNING_FRONT_ENDS[name]), name)
+    raise AttributeError(f"module 'lightning_par3d' has no attribute {name!r}")
+
+
+register_when_lightning_loads()

@@ -7,7 +7,8 @@ in the launching process with a message that names the value, what is allowed, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from lightning_par3d.parallel.styles import STYLE_NAMES, unknown_style_message
@@ -171,6 +172,42 @@ class Par3DConfig:
             self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
         if not isinstance(self.split_points, list):
             self.split_points = list(self.split_points)
+
+
+def field_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`Par3DConfig` fields among a front-end's keyword parameters (its ``locals()``).
+
+    The front-ends (``Par3DStrategy``, ``Par3DFabricStrategy``, ``Par3DAccelerator``) write every field out as a
+    typed keyword with the field's default, so that IDEs, mypy and LightningCLI see them; a list or dict field
+    defaults to None there, which stands for the field's own empty default (a fresh one per config, never shared), and
+    is left out here. A field missing from ``values`` raises ``KeyError`` naming it."""
+    return {
+        f.name: values[f.name] for f in fields(Par3DConfig) if values[f.name] is not None or f.default is not MISSING
+    }
+
+
+def changed_settings(settings: Mapping[str, Any]) -> list[str]:
+    """The names in ``settings`` whose values differ from the field's default: the settings a user passed."""
+    defaults = Par3DConfig()
+    return sorted(
+        name
+        for name, value in settings.items()
+        if value != getattr(defaults, name) or type(value) is not type(getattr(defaults, name))
+    )
+
+
+def config_from(owner: str, config: Par3DConfig | None, values: Mapping[str, Any], name: str = "config") -> Par3DConfig:
+    """The config of the front-end ``owner``, created with a ``Par3DConfig`` (its argument ``name``) or with the
+    config's fields as keywords (``values``: see :func:`field_settings`), not both."""
+    settings = field_settings(values)
+    if config is None:
+        return Par3DConfig(**settings)
+    changed = changed_settings(settings)
+    if changed:
+        raise TypeError(
+            f"Pass either a Par3DConfig or its fields to {owner}, not both (got {name} and {', '.join(changed)})."
+        )
+    return config
 
 
 DATA_PARALLEL_ENGINES = ("none", "ddp", "fsdp", "zero")

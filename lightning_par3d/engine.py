@@ -14,7 +14,7 @@ loop) maps its framework's hooks onto these calls, in this order::
         loss = engine.train_step(model, x, y, loss_fn)     # forward + backward, through the pipeline under pp
         engine.clip_grad_norm_(optimizer, 1.0)             # the norm over every tp, dp and pp shard
         optimizer.step(); optimizer.zero_grad()
-    engine.save(path, model, {"optimizer_0": optimizer}, metadata={...})
+    engine.save(path, {"step": step}, [engine.optimizer_state(optimizer)])   # DCP; optimizer_0, optimizer_1, …
     engine.teardown()                                  # closes hooks; the mesh stays for the next run
 
 A model parallelized once stays parallelized: :meth:`parallelize` called again with the same module (Lightning's
@@ -45,6 +45,7 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.parallel import faults, groups
 from lightning_par3d.parallel.compression import check_compression_device
 from lightning_par3d.parallel.data_parallel import no_gradient_sync
+from lightning_par3d.parallel.gather import gather_objects, gather_tensors, map_tensors
 from lightning_par3d.parallel.gradients import clip_grads_
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.parallel.mesh import Par3DMesh
@@ -54,6 +55,7 @@ from lightning_par3d.parallel.metric_sync import (
     metric_sync_fn,
     quiet_compute_before_update,
 )
+from lightning_par3d.parallel.model_changes import record_of, remember
 from lightning_par3d.parallel.optimizer_paths import use_per_tensor_path_where_mixed
 from lightning_par3d.parallel.parallelize import ParallelizeReport, parallelize
 from lightning_par3d.parallel.precision import PRECISIONS, check_precision
@@ -79,8 +81,17 @@ _MODEL_FIELDS = (
 cannot be reused."""
 
 
+MODEL_KEY = "state_dict"
+"""The model's entry in a par3d checkpoint (Lightning's name for it)."""
+
+
+def optimizer_key(index: int) -> str:
+    """The ``index``-th optimizer's entry in a par3d checkpoint."""
+    return f"optimizer_{index}"
+
+
 @dataclass
-class _Parallelized:
+class _ModelRecord:
     """What par3d did to one module, kept (weakly keyed by the module) for as long as the module lives. It holds
     nothing that refers back to the module, so that a module that is dropped is freed."""
 
@@ -92,9 +103,6 @@ class _Parallelized:
     report: ParallelizeReport
     host: weakref.ref[PipelineHost] | None = None
     """For a plain model pipelined in a host: the host (weakly; a new one is made if it is gone)."""
-
-
-_PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, _Parallelized] = weakref.WeakKeyDictionary()
 
 
 class Par3DEngine:
@@ -109,8 +117,9 @@ class Par3DEngine:
             check_precision(precision, zero_stage=0)
         self.config = config
         self.precision = precision
-        self.accumulate = 1
-        """Batches per optimizer step (gradient accumulation); the pipeline scales its losses by it."""
+        self.accumulate_grad_batches = 1
+        """Batches per optimizer step (gradient accumulation, Lightning's name); the pipeline scales its losses by
+        it."""
         self.clear_grads_first = False
         """Set per batch by a front-end whose framework clears gradients only after the step function (Lightning):
         the pipeline then clears them before its backward, on the first batch of each accumulation window."""
@@ -118,8 +127,8 @@ class Par3DEngine:
         self._mesh: Par3DMesh | None = None
         self._device: torch.device | None = None
         self._module: nn.Module | None = None
-        self._trained: nn.Module | None = None
-        self._record: _Parallelized | None = None
+        self._forward_module: nn.Module | None = None
+        self._record: _ModelRecord | None = None
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
@@ -134,6 +143,16 @@ class Par3DEngine:
         check_compression_device(self.config.grad_compression, device_type)
         self._layout = layout
         return layout
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether :meth:`resolve` has fixed the layout (front-ends resolve lazily, once devices are known)."""
+        return self._layout is not None
+
+    @property
+    def is_set_up(self) -> bool:
+        """Whether :meth:`setup` has run on this rank (the mesh exists)."""
+        return self._mesh is not None
 
     @property
     def layout(self) -> Layout:
@@ -219,12 +238,12 @@ class Par3DEngine:
         engine's; otherwise a ``ValueError`` says what differs and what to do."""
         if self.layout.pp > 1 and not isinstance(module, PipelineHost) and not _declares_pipeline(module):
             return self._parallelize_hosted(module)
-        record = _PARALLELIZED.get(module)
+        record = record_of(module)
         if record is not None:
             return self._reuse(module, record)
         self._names_before = WeakIdKeyDictionary({p: n for n, p in module.named_parameters()})
         result = parallelize(module, self.mesh, self.config, self.device, self.precision)
-        record = _Parallelized(
+        record = _ModelRecord(
             layout=self.layout,
             settings=self._settings(),
             pipeline=result.pipeline,
@@ -232,27 +251,27 @@ class Par3DEngine:
             structure=_structure(module),
             report=result.report,
         )
-        _PARALLELIZED[module] = record
-        self._adopt(module, result.trained, record)
-        return result.trained
+        remember(module, record)
+        self._adopt(module, result.forward_module, record)
+        return result.forward_module
 
     def _parallelize_hosted(self, model: nn.Module) -> nn.Module:
         """``model`` as the trunk of a pipeline host. The host is remembered weakly, so that parallelizing the same
         model again finds it (or puts a new host around the already pipelined model)."""
-        record = _PARALLELIZED.get(model)
+        record = record_of(model)
         if record is None:
             host = PipelineHost(model)
             trained = self.parallelize(host)
-            _PARALLELIZED[model] = replace(_PARALLELIZED[host], host=weakref.ref(host))
+            remember(model, replace(record_of(host), host=weakref.ref(host)))
             return trained
         alive = record.host() if record.host is not None else None
         host = alive if alive is not None else PipelineHost(model)
         if alive is None:
-            _PARALLELIZED[host] = record
-            _PARALLELIZED[model] = replace(record, host=weakref.ref(host))
+            remember(host, record)
+            remember(model, replace(record, host=weakref.ref(host)))
         return self.parallelize(host)
 
-    def _reuse(self, module: nn.Module, record: _Parallelized) -> nn.Module:
+    def _reuse(self, module: nn.Module, record: _ModelRecord) -> nn.Module:
         differences = _differences(record, self.layout, self._settings())
         if differences:
             raise ValueError(
@@ -267,17 +286,17 @@ class Par3DEngine:
                 "(a `configure_model` that builds a new model each time it is called?). Build the model only once, "
                 "e.g. `if self.model is None: self.model = ...`, as Lightning asks of configure_model."
             )
-        trained = self._trained if self._module is module and self._trained is not None else None
+        trained = self._forward_module if self._module is module and self._forward_module is not None else None
         if trained is None and self.layout.data_parallel == "ddp":
             from lightning_par3d.parallel.data_parallel import replicate_with_ddp
             from lightning_par3d.parallel.parallelize import _compression
 
             trained = replicate_with_ddp(module, self.mesh, self.device, _compression(self.config))
         self._adopt(module, trained or module, record)
-        return self.trained
+        return self.forward_module
 
-    def _adopt(self, module: nn.Module, trained: nn.Module, record: _Parallelized) -> None:
-        self._module, self._trained, self._record = module, trained, record
+    def _adopt(self, module: nn.Module, trained: nn.Module, record: _ModelRecord) -> None:
+        self._module, self._forward_module, self._record = module, trained, record
         if record.spec is not None and not isinstance(module, PipelineHost):
             install_loss(module, record.spec.loss, self.run_pipeline)
         self.attach_metrics(module)
@@ -295,11 +314,12 @@ class Par3DEngine:
         return self._module
 
     @property
-    def trained(self) -> nn.Module:
-        """What to run forward and backward: the module, or DDP over it."""
-        if self._trained is None:
+    def forward_module(self) -> nn.Module:
+        """What to call for forward and backward: the module itself, or ``DistributedDataParallel`` over it (pure
+        replication)."""
+        if self._forward_module is None:
             raise RuntimeError("No model yet: call Par3DEngine.parallelize(model) first.")
-        return self._trained
+        return self._forward_module
 
     @property
     def pipeline(self) -> PipelineRunner | None:
@@ -400,7 +420,7 @@ class Par3DEngine:
             loss_fn,
             train=train,
             device=self.device,
-            accumulate=self.accumulate,
+            accumulate=self.accumulate_grad_batches,
             zero_grad_first=self.clear_grads_first,
             zero=self._zero,
         )
@@ -441,6 +461,15 @@ class Par3DEngine:
         """Under pp: the trunk's outputs on the ranks holding the last stage, None elsewhere."""
         return self._require_pipeline().predict(pending, self.device)
 
+    def predict_step(self, model: nn.Module, inputs: Any) -> Any:
+        """The model's outputs for one batch, forward only, at any layout: ``inputs`` is a tensor, a tuple of
+        positional arguments or a dict of keyword arguments, as in :meth:`train_step`. Under pp the outputs exist on
+        the ranks holding the last stage; the others return None."""
+        with torch.no_grad():
+            if self.layout.pp == 1:
+                return _call(model, inputs)
+            return self.predict(_pending(inputs))
+
     def _require_pipeline(self) -> PipelineRunner:
         runner = self.pipeline
         if runner is None:
@@ -455,17 +484,27 @@ class Par3DEngine:
             yield
             return
         with ExitStack() as stack:
-            stack.enter_context(no_gradient_sync(self.trained))
+            stack.enter_context(no_gradient_sync(self.forward_module))
             for zero in self._zero:
                 stack.enter_context(zero.no_sync())
             yield
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scales the gradients ``optimizer`` steps with so that their norm over every tp, dp and pp shard (the
-        whole model's, as one process computes it) is at most ``max_norm``; returns the norm before clipping."""
-        inner = getattr(optimizer, "_optimizer", optimizer)  # Lightning's and Fabric's optimizer wrappers
+    def clip_grad_norm_(
+        self, source: Optimizer | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Scales gradients so that their norm over every tp, dp and pp shard (the whole model's, as one process
+        computes it) is at most ``max_norm``; returns the norm before clipping. ``source`` is the optimizer whose
+        gradients to clip (the Trainer, Fabric), or parameters (Accelerate's ``clip_grad_norm_(model.parameters())``).
+        Under ZeRO-2, where each rank holds only its rows of the gradients, those rows are clipped either way."""
+        zero2 = [z for z in self._zero if z.stage == 2]
+        if isinstance(source, Optimizer):
+            grads = optimizer_grads(getattr(source, "_optimizer", source))  # Lightning's and Fabric's wrappers
+        elif zero2:
+            grads = [g for zero in zero2 for g in optimizer_grads(zero)]
+        else:
+            grads = [p.grad for p in source if p.grad is not None]
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        return clip_grads_(optimizer_grads(inner), float(max_norm), float(norm_type), pp_group)
+        return clip_grads_(grads, float(max_norm), float(norm_type), pp_group)
 
     # ---------------------------------------------------------------- data and logged values
     def sampler_kwargs(self) -> dict[str, int]:
@@ -484,6 +523,23 @@ class Par3DEngine:
         last = self.mesh.group_ranks("pp", self.rank)[self.layout.last_stage_owner]
         return metric_sync_fn(self.dp_group(), self.mesh["pp"].get_group(), last)
 
+    def gather(self, data: Any, as_objects: bool = False) -> Any:
+        """The batch values ``data`` of every data-parallel rank, on every rank: tensors (nested in lists, tuples or
+        dicts) concatenated on the first dimension, or, with ``as_objects``, a list's items in rank order (pickled).
+        Tensor-parallel peers hold the same samples and are not counted again. Under pp the values are the last
+        stage's (the other stages may pass anything, None typically); they reach every pipeline rank."""
+        group, size = self.dp_group(), self.dp_size
+        if self.holds_last_stage:
+            gathered = gather_objects(data, group, size) if as_objects else gather_tensors(data, group, size)
+        else:
+            gathered = None
+        if self.layout.pp == 1:
+            return gathered
+        runner = self._require_pipeline()
+        cpu = gathered if as_objects else map_tensors(lambda t: t.detach().cpu(), gathered)
+        received = runner.broadcast_object_from_last_stage(cpu)
+        return received if as_objects else map_tensors(lambda t: t.to(self.device), received)
+
     def attach_metrics(self, *modules: nn.Module) -> int:
         """Makes every torchmetrics metric in ``modules`` (a metric, a ``MetricCollection``, or a model holding
         them) sync over the right ranks (:meth:`metric_sync_fn`), unless it has a ``process_group`` or
@@ -493,16 +549,16 @@ class Par3DEngine:
             quiet_compute_before_update()
         return attach_metric_sync(modules, self.metric_sync_fn(), pipelined=self.layout.pp > 1)
 
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """``tensor`` reduced over the data-parallel ranks (``"mean"``, ``"sum"``, ``"max"`` or ``"min"``), the only
-        ranks that hold different values of a logged number: tensor-parallel peers hold the same, and every
-        pipeline rank holds the last stage's loss. A new tensor; the same on every rank of the data-parallel
-        group."""
+    def reduce(self, tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks, the only ranks that hold different values of a logged
+        number: tensor-parallel peers hold the same, and every pipeline rank holds the last stage's loss. ``op`` is
+        a name (``"mean"`` or ``"avg"``, ``"sum"``, ``"max"``, ``"min"``), a ``torch.distributed.ReduceOp`` of
+        those, or None (mean), as Lightning and Accelerate pass them. A new tensor; the same on every rank of the
+        data-parallel group."""
         import torch.distributed as dist
 
+        op = reduce_op_name(op)
         ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"reduce op {op!r} is not one of {', '.join(map(repr, ops))}.")
         result = tensor.detach().to(self.device, copy=True)
         if self.layout.dp > 1:
             dist.all_reduce(result, op=ops[op], group=self.dp_group())
@@ -513,15 +569,16 @@ class Par3DEngine:
         """The module whose names a checkpoint uses: the model itself (inside DDP, inside a pipeline host), so that
         a checkpoint names parameters alike at every layout."""
         module = self.module
-        return module.trunk if isinstance(module, PipelineHost) else self.trained
+        return module.trunk if isinstance(module, PipelineHost) else self.forward_module
 
     def model_state(self) -> dict[str, Any]:
         """This rank's shards of the model's state (DTensors, nothing gathered), keyed by original names."""
         return ckpt.model_state(self._saved_module())
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's shards of ``optimizer``'s state, keyed by parameter name."""
-        return ckpt.optimizer_state(self._saved_module(), getattr(optimizer, "_optimizer", optimizer))
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's shards of ``optimizer``'s state, keyed by parameter name (``optimizer`` may be wrapped by
+        Lightning, Fabric or Accelerate)."""
+        return ckpt.optimizer_state(self._saved_module(), _unwrapped(optimizer))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
@@ -550,31 +607,43 @@ class Par3DEngine:
             raise RuntimeError(f"save_pretrained to {directory} failed on rank 0: {outcome[0]}")
         return Path(directory)
 
-    def save(self, path: str | Path, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
-        """Saves ``tensors`` (state dicts of shards, by key) with DCP and ``metadata`` (rank 0's) as ``meta.pt``,
-        atomically (see :mod:`lightning_par3d.checkpoint.dcp`). Every rank must call it."""
+    def save(
+        self,
+        path: str | Path,
+        metadata: dict[str, Any],
+        optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
+        model_state: dict[str, Any] | None = None,
+        model_key: str = MODEL_KEY,
+    ) -> None:
+        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and of the
+        optimizers (their :meth:`optimizer_state`, under their names, or ``optimizer_0``, ``optimizer_1``, … for a
+        list) with DCP, and ``metadata`` (rank 0's) as ``meta.pt``, atomically (see
+        :mod:`lightning_par3d.checkpoint.dcp`). Every rank must call it."""
+        tensors = {model_key: self.model_state() if model_state is None else model_state}
+        tensors.update(_by_key(optimizer_states))
         ckpt.save_sharded(Path(path), tensors, metadata, self.rank, self.barrier)
 
     def load(
         self,
         path: str | Path,
-        optimizers: Mapping[str, Optimizer],
-        model_key: str = "state_dict",
+        optimizers: Sequence[Any] | Mapping[str, Any] = (),
+        model_key: str = MODEL_KEY,
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
-        layout or any other) and returns its ``meta.pt`` contents. A damaged or foreign checkpoint raises the same
-        ``ValueError`` on every rank."""
-        inner = {k: getattr(o, "_optimizer", o) for k, o in optimizers.items()}
+        layout or any other, by :meth:`save`, the optimizers named as there) and returns its ``meta.pt`` contents. A
+        damaged or foreign checkpoint raises the same ``ValueError`` on every rank."""
+        inner = {key: _unwrapped(optimizer) for key, optimizer in _by_key(optimizers).items()}
         return ckpt.load_sharded(Path(path), self._saved_module(), inner, model_key, strict, weights_only)
 
     def barrier(self) -> None:
+        """Waits for every rank (nothing before the process group exists). Under NCCL on the engine's device."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
             return
-        if self._device is not None and self._device.type == "cuda":
+        if dist.get_backend() == "nccl" and self._device is not None and self._device.type == "cuda":
             dist.barrier(device_ids=[self._device.index])
         else:
             dist.barrier()
@@ -610,7 +679,7 @@ def _declares_pipeline(module: nn.Module) -> bool:
     return isinstance(getattr(module, "pipeline_trunk", None), str)
 
 
-def _differences(record: _Parallelized, layout: Layout, settings: tuple[tuple[str, Any], ...]) -> list[str]:
+def _differences(record: _ModelRecord, layout: Layout, settings: tuple[tuple[str, Any], ...]) -> list[str]:
     found = []
     if record.layout != layout:
         found.append(f"layout then: {record.layout} (ZeRO-{record.layout.zero}), now: {layout} (ZeRO-{layout.zero})")
@@ -618,6 +687,44 @@ def _differences(record: _Parallelized, layout: Layout, settings: tuple[tuple[st
         if then != now:
             found.append(f"{name} then: {then}, now: {now}")
     return found
+
+
+def reduce_op_name(op: Any) -> str:
+    """The name of a reduction as Lightning, Fabric or Accelerate pass it: None (mean), a string (``"avg"`` is
+    ``"mean"``; case does not matter) or a ``torch.distributed.ReduceOp``. Raises ``ValueError`` for others."""
+    import torch.distributed as dist
+
+    if op is None:
+        return "mean"
+    if isinstance(op, str):
+        name = {"avg": "mean"}.get(op.lower(), op.lower())
+    else:
+        names = {
+            dist.ReduceOp.SUM: "sum",
+            dist.ReduceOp.MAX: "max",
+            dist.ReduceOp.MIN: "min",
+            dist.ReduceOp.AVG: "mean",
+        }
+        name = names.get(op, repr(op))
+    if name not in ("mean", "sum", "max", "min"):
+        raise ValueError(f"reduce op {op!r} is not one of 'mean' ('avg'), 'sum', 'max', 'min'.")
+    return name
+
+
+def _by_key(items: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizers (or their states) by their checkpoint keys: a mapping's own, or ``optimizer_<i>`` for a list."""
+    if isinstance(items, Mapping):
+        return dict(items)
+    return {optimizer_key(i): item for i, item in enumerate(items)}
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch (or ZeRO) optimizer inside Lightning's, Fabric's or Accelerate's optimizer wrapper."""
+    for attr in ("_optimizer", "optimizer"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, Optimizer):  # a ZeroOptimizer is one too, and is kept (its `wrapped` is not unwrapped)
+            return _unwrapped(inner)
+    return optimizer
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:

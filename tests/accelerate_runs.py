@@ -135,7 +135,7 @@ def fabric_loop(
     dp, dp_rank = engine.dp_size, engine.dp_rank
     losses = []
     for x, y in itertools.islice(_data(GLOBAL_BATCH // dp), dp_rank, steps * dp, dp):
-        loss = fabric.strategy.pipeline_step(model, x, y, gpt_loss)
+        loss = fabric.strategy.train_step(model, x, y, gpt_loss)
         if clip is not None:
             fabric.clip_gradients(model, optimizer, max_norm=clip)
         optimizer.step()

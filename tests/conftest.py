@@ -1,4 +1,5 @@
-"""Shared fixtures: the process pools (one spawn per world size per session) and the parity assertion."""
+"""Shared fixtures: the process pools (one spawn per world size per session, ``tests/harness.py``), the background
+process-tree cases (``tests/background.py``), and the parity assertions."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from tests import background
+from tests.constants import LOSS_RTOL, ONE_BATCH_EPOCHS, PARAM_RTOL
 from tests.harness import DistPool
 
 _POOLS: dict[int, DistPool] = {}
@@ -35,23 +37,18 @@ def pool8() -> Iterator[DistPool]:
     yield pool(8)
 
 
-def _uses_background(item: pytest.Item) -> bool:
-    return bool(set(getattr(item, "fixturenames", ())) & set(background.names()))
-
-
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that check background cases (see ``tests/background.py``) run last, when their cases have had the
-    whole session to run."""
-    items.sort(key=_uses_background)  # stable: the order within each part is kept
+    """The tests that check background cases run last, when their cases have had the whole session to run."""
+    items.sort(key=lambda item: bool(background.cases_of(item)))  # stable: the order within each part is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _background_cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Starts, at the session's first test, the background cases that the selected tests use."""
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    for name in background.names():
-        if name in wanted:
-            background.start(name, tmp_path_factory)
+    """Starts, at the session's first test, the background cases that the selected tests ask for (and no other)."""
+    wanted = [case for item in request.session.items for case in background.cases_of(item)]
+    for _, name, param in sorted(wanted, key=lambda case: case[0]):  # stable: in the tests' order within an order
+        background.start(name, param, tmp_path_factory)
     yield
 
 
@@ -59,10 +56,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     background.stop()
     for p in _POOLS.values():
         p.close()
-
-
-LOSS_RTOL = 1e-4
-PARAM_RTOL = 1e-4
 
 
 def assert_parity(got: dict, ref: dict) -> None:
@@ -94,7 +87,6 @@ def assert_resume_continues(pool: DistPool, directory: str, steps: int, **run: o
     the uninterrupted ones within 1e-6 (one-batch epochs, so the data order does not depend on where Lightning's
     loop restarts)."""
     from tests.gpt_runs import run_par3d
-    from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
 
     def train(**more: object) -> dict:
         return pool.run(run_par3d, data=ONE_BATCH_EPOCHS, **run, **more)[0]

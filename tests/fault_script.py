@@ -2,8 +2,9 @@
 
     python tests/fault_script.py OUT '{"dp_shard": 2}' 2 stall 1 3
 
-trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes, and at the start of
-step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
+trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes (``timeout_s`` is
+``tests.constants.FAULT_TIMEOUT_S``, one global batch per epoch), and at the start of step STEP, on rank RANK, injects
+FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
 this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
 rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault; a rank whose ``fit`` raises writes
 ``OUT/raised<rank>`` with the time it did, and every rank writes ``OUT/atexit<rank>`` as its interpreter begins to
@@ -29,7 +30,8 @@ import lightning as L
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
 from lightning_par3d import Par3DStrategy
-from tests.gpt_runs import MODEL, SEED, trainer_kwargs  # the model and seed the tests' references use
+from tests.constants import FAULT_DATA, FAULT_TIMEOUT_S, GLOBAL_BATCH, MODEL, SEED  # as the tests' references
+from tests.gpt_runs import trainer_kwargs
 
 
 class Fault(L.Callback):
@@ -53,10 +55,11 @@ def note_the_fault(out: Path) -> None:
     stamp(out / "fault_at")
 
 
-def stamp(path: Path) -> None:
-    """Writes the time to ``path`` whole (the test polls for it, and a rank may be killed while it writes)."""
+def stamp(path: Path, text: str = "") -> None:
+    """Writes ``text`` (by default the time) to ``path`` whole: the test polls for it, and a rank may be killed
+    while it writes."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(str(time.time()))
+    partial.write_text(text or str(time.time()))
     os.replace(partial, path)
 
 
@@ -109,7 +112,7 @@ def main() -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    (out_dir / f"pid{local_rank}").write_text(str(os.getpid()))
+    stamp(out_dir / f"pid{local_rank}", str(os.getpid()))
     atexit.register(stamp, out_dir / f"atexit{local_rank}")
     if os.environ.get("KILL_SAVE"):
         kill_during_save(os.environ["KILL_SAVE"], out_dir)
@@ -117,7 +120,7 @@ def main() -> None:
     callbacks: list[L.Callback] = [Fault(out_dir, kind, int(rank), int(step))]
     if checkpoints:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "ckpt", save_last=True, save_top_k=-1))
-    strategy = Par3DStrategy(timeout_s=20, **json.loads(layout))
+    strategy = Par3DStrategy(timeout_s=FAULT_TIMEOUT_S, **json.loads(layout))
     trainer = L.Trainer(
         devices=int(devices),
         strategy=strategy,
@@ -126,9 +129,7 @@ def main() -> None:
     )
     L.seed_everything(SEED, verbose=False)
     dp = strategy.layout.dp
-    data = ShakespeareDataModule(
-        block_size=32, batch_size=8 // dp, max_bytes=257, val_fraction=0.0
-    )  # 8 windows: one batch
+    data = ShakespeareDataModule(block_size=32, batch_size=GLOBAL_BATCH // dp, **FAULT_DATA)
     try:
         trainer.fit(GPTModule(**MODEL), data)
     except BaseException:

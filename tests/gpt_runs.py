@@ -19,13 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
-
-SEED = 1234
-MODEL = dict(block_size=32, n_layer=2, n_head=4, n_embd=32, lr=3e-3, eps=1e-6)
-# 1282 bytes: 32 training windows of 32 bytes (4 steps of a global batch of 8 per epoch, divisible by every dp size
-# so that no sampler pads) and 8 validation windows.
-DATA = dict(block_size=32, max_bytes=1282, val_fraction=0.2)
-GLOBAL_BATCH = 8
+from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
 
 
 class LossRecorder(L.Callback):

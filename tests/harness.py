@@ -1,16 +1,25 @@
-"""A pool of real gloo processes that one spawn serves for many test cases.
+"""A pool of real gloo processes that one start serves for many test cases (``conftest.pool2``, ``pool4``, ``pool8``).
 
-Spawning a process group costs 10–20 s on a small machine, so a :class:`DistPool` starts ``world_size`` processes
-once and then runs one job after another in all of them. Each worker looks like a rank launched by torchrun
-(``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``Trainer(strategy="par3d")`` and
-``Fabric(strategy="par3d")`` inside a job take the externally-launched path and the first job's process group
-serves all later jobs.
+Starting a process group costs 10–20 s on a small machine, so a :class:`DistPool` starts ``world_size`` processes
+once per session and then runs one job after another in all of them: ``pool.run(fn, **kwargs)`` calls the
+module-level function ``fn(**kwargs)`` on every rank and returns the results by rank. Each worker looks like a rank
+launched by torchrun (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_WORLD_SIZE``), so
+``Trainer(strategy="par3d")`` and ``Fabric(strategy="par3d")`` inside a job take the externally-launched path, and the
+first job's process group serves all later jobs.
 
-Every job has a deadline. A job that fails on some ranks only, or misses its deadline, leaves the process group in
-an unknown state, so the pool is killed and the next job starts a fresh one; so is a pool whose workers have
-accumulated more than :data:`RECYCLE_THREADS` threads. Nothing else carries over from job to job: the environment
-and torch's thread count are restored before each. Each rank's output goes to its own log file (with the thread
-count after every job), and a failure reports the tail of the failing rank's log.
+* **Deadlines.** A job that fails on some ranks only, or misses its deadline, leaves the process group in an unknown
+  state: the pool is killed and the next job starts a fresh one.
+* **Recycling.** So is a pool whose workers hold more than :data:`RECYCLE_THREADS` threads after a job.
+* **Nothing carries over.** The environment and torch's thread count are restored before each job.
+* **Logs.** Each rank's output goes to ``$TMPDIR/par3d-pool<world size>-*/rank<r>.log`` (a line per job, and the
+  thread count after it); a failure reports the tail of the failing rank's log and the log's path.
+
+Environment (read when a pool starts):
+
+* ``PAR3D_TEST_START`` — ``forkserver`` (default, where the platform has it): workers are forks of a server that has
+  imported :data:`PRELOAD` once; ``spawn``: each worker is a fresh interpreter (slower; for debugging the preload).
+* ``PAR3D_TEST_THREADS`` — ``1`` (default): each rank gets ``cores // world_size`` torch threads and that number in
+  ``OMP_NUM_THREADS``, as torchrun gives; ``0``: torch's default thread count (every core per rank).
 """
 
 from __future__ import annotations
@@ -30,6 +39,28 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+RECYCLE_THREADS = 64
+"""A worker past this many OS threads is recycled after its job. par3d keeps each layout's mesh for the life of the
+process (torch's DTensor caches its sharding decisions by mesh), and every gloo group of a mesh has a transport thread
+that polls its sockets, idle or not: a worker that has trained at many layouts burns CPU while it waits (about a
+quarter of a 2-core machine by the end of the suite, measured). Starting afresh costs a few seconds."""
+
+PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "lightning",
+    "torchmetrics",
+    "pytest",
+    "lightning_par3d",
+    "examples.gpt",
+    "tests.gpt_runs",
+]
+"""What the fork server imports once, so that a worker does not (several seconds of CPU each on a small machine):
+what every job needs, and what a job's first call would import lazily (pytest included: a worker imports the test
+module that defines a job to unpickle it)."""
 
 
 class RankError(RuntimeError):
@@ -60,6 +91,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
 def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, outbox: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -71,10 +106,8 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         NODE_RANK="0",
         GROUP_RANK="0",
     )
-    # The cores shared by the ranks (as Lightning's launchers and torchrun do): a rank with as many threads as there
-    # are cores, times world_size ranks, would oversubscribe the machine. OMP_NUM_THREADS is set as torchrun sets it,
-    # so that libraries that size their own thread pool from the environment (Accelerate's PartialState does, from
-    # the physical cores over LOCAL_WORLD_SIZE) leave it alone; and every job gets it back, in case one changed it.
+    # The cores shared by the ranks, as torchrun and Lightning's launchers share them. OMP_NUM_THREADS too, so that
+    # libraries that size their own thread pool from the environment (Accelerate's PartialState does) leave it alone.
     threads = torch.get_num_threads()
     if os.environ.get("PAR3D_TEST_THREADS", "1") == "1":
         threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -83,10 +116,7 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    while True:
-        job = inbox.get()
-        if job is None:
-            return
+    while (job := inbox.get()) is not None:
         fn, kwargs = job
         print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
         environment = dict(os.environ)  # jobs may change it (Lightning's teardown drops WORLD_SIZE): give it back
@@ -102,39 +132,9 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         outbox.put(outcome)
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
-
-
-RECYCLE_THREADS = 64
-"""A worker past this many OS threads is recycled after its job. par3d keeps each layout's mesh for the life of the
-process (torch's DTensor caches its sharding decisions by mesh), and every gloo group of a mesh has a transport thread
-that polls its sockets, idle or not: a worker that has trained at many layouts burns CPU while it waits. Starting
-afresh (a fork of the server, a new default group) costs a few seconds; the polling of ~200 threads per worker cost
-far more over a suite (about a quarter of this machine's two cores, measured)."""
-
-
-PRELOAD = [
-    "torch",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "torch.distributed.pipelining",
-    "lightning",
-    "torchmetrics",
-    "pytest",
-    "lightning_par3d",
-    "examples.gpt",
-    "tests.gpt_runs",
-]
-"""What the fork server imports once: each worker then starts as a fork of it, with these already imported, instead
-of importing them anew (several seconds of CPU per worker on a small machine). Besides what every job needs, this
-holds what a job's first call would import lazily (checkpointing, pipelining, par3d itself, and pytest, which a test
-module imports when a worker unpickles a job defined in it): up to half a second of CPU per worker otherwise."""
-
-
 def _context() -> Any:
-    """The ``forkserver`` start method where the platform has it (the server process imports :data:`PRELOAD` and
-    runs nothing else, so forking it is safe: no threads, no process group), else ``spawn``."""
+    """``forkserver`` where the platform has it (the server imports :data:`PRELOAD` and runs nothing else, so
+    forking it is safe: no threads, no process group), else ``spawn``; ``PAR3D_TEST_START`` picks."""
     if os.environ.get("PAR3D_TEST_START", "forkserver") == "forkserver" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
@@ -143,50 +143,50 @@ def _context() -> Any:
 
 
 class DistPool:
-    """``world_size`` spawned gloo ranks that run jobs: plain module-level functions called with keyword args."""
+    """``world_size`` gloo ranks that run jobs: plain module-level functions called with keyword arguments."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.log_dir = Path(tempfile.mkdtemp(prefix=f"par3d-pool{world_size}-"))
         self._procs: list[Any] = []
-        self._log_dir = tempfile.mkdtemp(prefix=f"par3d-pool{world_size}-")
+        self._inboxes: list[Any] = []
 
     def _start(self) -> None:
         ctx = _context()
         port = _free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(rank, self.world_size, port, self._log_dir, self._inboxes[rank], self._outbox),
-                daemon=True,
-            )
+        args = [
+            (rank, self.world_size, port, str(self.log_dir), self._inboxes[rank], self._outbox)
             for rank in range(self.world_size)
         ]
+        self._procs = [ctx.Process(target=_worker, args=a, daemon=True) for a in args]
         for p in self._procs:
             p.start()
 
     def run(self, fn: Callable[..., Any], timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-        """Runs ``fn(**kwargs)`` on every rank; returns the results by rank or raises :class:`RankError`."""
+        """Runs ``fn(**kwargs)`` on every rank; returns the results by rank or raises :class:`RankError` (or
+        ``TimeoutError`` past ``timeout`` seconds)."""
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
         for inbox in self._inboxes:
             inbox.put((fn, kwargs))
         outcomes = self._collect(timeout)
-        failed = [o for o in outcomes if not o.ok]
-        if len(outcomes) < self.world_size or (failed and len(failed) < self.world_size):
+        failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.rank)
+        if len(outcomes) < self.world_size or 0 < len(failed) < self.world_size:
             self.close()  # a partial failure or a hang leaves collectives mismatched: start afresh next time
         elif max(o.threads for o in outcomes) > RECYCLE_THREADS:
-            self.close()  # accumulated meshes: see RECYCLE_THREADS
+            self.close()
         if len(outcomes) < self.world_size:
             missing = sorted(set(range(self.world_size)) - {o.rank for o in outcomes})
             detail = failed[0].trace if failed else self.log_tail(missing[0])
             raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout:.0f} s.\n{detail}")
         if failed:
-            first = min(failed, key=lambda o: o.rank)
+            first = failed[0]
             raise RankError(
-                f"{fn.__name__} failed on ranks {sorted(o.rank for o in failed)}; rank {first.rank}:\n{first.trace}",
+                f"{fn.__name__} failed on ranks {[o.rank for o in failed]}; rank {first.rank} "
+                f"(log: {self.log_dir / f'rank{first.rank}.log'}):\n{first.trace}",
                 first.exc_type,
                 first.exc_message,
                 all_ranks_failed=len(failed) == self.world_size,
@@ -196,10 +196,7 @@ class DistPool:
     def _collect(self, timeout: float) -> list[_Outcome]:
         deadline = time.monotonic() + timeout
         outcomes: list[_Outcome] = []
-        while len(outcomes) < self.world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+        while len(outcomes) < self.world_size and (remaining := deadline - time.monotonic()) > 0:
             try:
                 outcomes.append(self._outbox.get(timeout=min(remaining, 1.0)))
             except queue.Empty:
@@ -208,11 +205,11 @@ class DistPool:
         return outcomes
 
     def log_tail(self, rank: int, chars: int = 4000) -> str:
-        path = Path(self._log_dir) / f"rank{rank}.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+        path = self.log_dir / f"rank{rank}.log"
+        return f"{path}:\n{path.read_text(errors='replace')[-chars:]}" if path.exists() else f"{path}: no log"
 
     def close(self) -> None:
-        for inbox in getattr(self, "_inboxes", []):
+        for inbox in self._inboxes:
             with contextlib.suppress(Exception):
                 inbox.put(None)
         for p in self._procs:
@@ -222,4 +219,4 @@ class DistPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        self._procs = []
+        self._procs, self._inboxes = [], []

@@ -71,6 +71,16 @@ class _BuildRecorder(CausalLMModule):
             self.real_bytes_built = sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
 
 
+class _OwnPlanRecorder(_BuildRecorder):
+    """The module as a transformers user writes it with the model's own plan in hand: ``tp_plan`` returns
+    ``dict(self.model.tp_plan)`` (keys relative to the transformers model: ``lm_head``, ``model.embed_tokens``,
+    ``model.layers.*.self_attn.q_proj``, …)."""
+
+    def tp_plan(self) -> dict[str, str]:  # type: ignore[override]
+        assert self.model is not None
+        return dict(self.model.tp_plan)
+
+
 def run_par3d(
     strategy: dict[str, Any],
     devices: int,
@@ -81,8 +91,11 @@ def run_par3d(
     resume_from: str | None = None,
     logits_of: torch.Tensor | None = None,
     data: dict[str, Any] | None = None,
+    own_plan: bool = False,
 ) -> dict[str, Any]:
-    """One par3d run inside a pool worker. ``export_to``: then ``save_pretrained`` there (``SavePretrained``).
+    """One par3d run inside a pool worker. ``own_plan``: the module's ``tp_plan`` hook returns the transformers
+    model's own plan (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
+    there (``SavePretrained``).
     ``checkpoint_to``: then a par3d checkpoint there; ``resume_from``: resume from one. ``logits_of``: then the
     trained model's logits for these ids (``trainer.predict``: None on ranks without the last stage). The result
     also tells how many parameter bytes the build allocated for real, how many each rank read from safetensors
@@ -98,7 +111,7 @@ def run_par3d(
     callbacks: list[L.Callback] = [recorder] + ([SavePretrained(export_to)] if export_to else [])
     kwargs = trainer_kwargs(max_steps=max_steps)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **kwargs)
-    lm = _BuildRecorder(**{**TINY, **(model or {})})
+    lm = (_OwnPlanRecorder if own_plan else _BuildRecorder)(**{**TINY, **(model or {})})
     dp = par3d.layout.dp
     read = [0]
     original = HuggingFaceStorageReader._process_read_request

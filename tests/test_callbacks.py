@@ -207,9 +207,9 @@ def estimate_after_another_strategy_job(out: str) -> bool:
 
 @pytest.mark.dist
 def test_the_estimate_survives_dtensor_caches_of_an_earlier_run(pool4, tmp_path: Path):
-    """The estimate runs in a forked child over fake groups. DTensor's caches (sharding decisions, redistribute
-    plans) are keyed by mesh equality, so the child must empty every one of them: an entry left from an equal mesh of
-    an earlier run in the parent hands the child the parent's groups ("Could not resolve the process group")."""
+    """The estimate runs over fake groups in a fresh interpreter. DTensor's caches (sharding decisions, redistribute
+    plans) are keyed by mesh equality: an entry left from an equal mesh of an earlier run in this process would hand
+    an estimator running here the run's groups ("Could not resolve the process group"); a new interpreter has none."""
     assert pool4.run(estimate_after_another_strategy_job, out=str(tmp_path))[0], "the estimate child failed"
 
 

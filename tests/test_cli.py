@@ -1,12 +1,13 @@
-"""The Hydra app end to end, with Lightning's own launcher: a short run trains, and misconfigured runs exit with
-the error instead of hanging. Each run is a background case (``tests/background.py``): it runs while the pooled
-tests run, and its test checks the result at the end of the session."""
+"""The Hydra app end to end, as a user runs it (``python examples/train.py ...`` on the real interpreter, whose
+Lightning launcher starts the ranks): a short run trains, and misconfigured runs exit with the error instead of
+hanging. Each run is a background case (``tests/background.py``): selecting one test runs only its command."""
 
 from __future__ import annotations
 
 import csv
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(folder: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python examples/train.py *overrides`` with its Hydra run folder in ``folder``, as a background case (see
-    ``tests/background.py``): it runs while the pooled tests run, and its test checks the result at the end. The
-    launching process is a fork of a server that has imported Lightning already (``tests/preloaded.py``), and so are
-    the ranks Lightning's launcher starts from it, through a stand-in ``python``."""
+    """``python examples/train.py *overrides`` with its Hydra run folder in ``folder``."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    command = ["examples/train.py", *overrides, f"hydra.run.dir={folder}"]
-    return background.run_script(command, timeout=timeout, cwd=ROOT, output=folder, env=env)
+    command = [sys.executable, "examples/train.py", *overrides, f"hydra.run.dir={folder}"]
+    return background.run(command, timeout=timeout, cwd=ROOT, env=env)
 
 
 dp2_tp2_app = background.fixture(

@@ -151,6 +151,7 @@ def timeout_job() -> list[float]:
     import torch.distributed as dist
 
     from lightning_par3d import Par3DConfig, Par3DEngine
+    from lightning_par3d.torch_private import default_store
 
     def seconds(group: dist.ProcessGroup) -> float:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -158,7 +159,7 @@ def timeout_job() -> list[float]:
     # A timeout no other test uses: this worker keeps one more (bounded, one-off) mesh for it.
     engine = Par3DEngine(Par3DConfig(dp_shard=2, timeout_s=77))
     mesh = engine.setup(torch.device("cpu"))
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()  # private in torch: lightning_par3d.torch_private says why
     return [seconds(dist.group.WORLD), seconds(mesh["dp"].get_group()), store.timeout.total_seconds()]
 
 

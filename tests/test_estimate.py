@@ -181,3 +181,50 @@ def test_a_transformers_model_pipelines_in_the_estimate_as_in_a_run():
     assert first.ranks == (0, 1, 2, 3) and last.ranks == (4, 5, 6, 7)
     assert first.in_flight == 2 and last.in_flight == 1
     assert all(r.activations_per_microbatch[0] > 0 and r.state.total > 0 for r in estimate.rows)
+
+
+def test_the_estimate_is_the_runs_own_build(monkeypatch):
+    """The estimator builds each stage with the run's ``parallelize_part`` (its tensor-parallel share of the checked
+    plan, its blocks as FSDP2 units), so a change to the build changes the estimate: without checkpointing in
+    ``parallelize_part``, ``full`` estimates what ``none`` does."""
+    from lightning_par3d.parallel import parallelize as build
+
+    calls: list[tuple[str, int, int]] = []
+    real = build.parallelize_part
+
+    def spy(part, mesh, config, precision, fqn_styles, blocks):
+        calls.append((type(part).__name__, len(fqn_styles), len(blocks)))
+        return real(part, mesh, config, precision, fqn_styles, blocks)
+
+    monkeypatch.setattr(build, "parallelize_part", spy)
+    estimate_memory(GPTModule(**DEEP), Par3DConfig(pp=2, dp_shard=2, tp=2), 8, (8, 32))
+    assert len(calls) == 2 and all(styles > 0 and blocks == 2 for _, styles, blocks in calls), calls
+    calls.clear()
+    estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32))
+    assert calls == [("GPTModule", 0, 4)]
+
+    config = Par3DConfig(dp_shard=2, activation_checkpointing="full")
+    plain = estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32)).rows[0]
+    assert estimate_memory(GPTModule(**DEEP), config, 2, (8, 32)).rows[0].activations < 0.5 * plain.activations
+    monkeypatch.setattr(build, "apply_activation_checkpointing", lambda *args: 0)
+    assert estimate_memory(GPTModule(**DEEP), config, 2, (8, 32)).rows[0].activations == plain.activations
+
+
+def test_the_estimate_in_a_fresh_interpreter_is_the_same():
+    """What ``MemoryStats`` runs inside a training process: the estimate in a new interpreter (the module pickled,
+    batch shapes on meta) equals the one computed here, also for a class the new interpreter could not import by
+    name (defined in the running script, ``__main__``, or inside a function: it travels by value)."""
+    from lightning_par3d.memory.estimate_process import estimate_in_fresh_interpreter
+
+    config, batch = Par3DConfig(dp_shard=2, tp=2), (torch.empty(8, 32, dtype=torch.long, device="meta"),) * 2
+    expected = estimate_memory(GPTModule(**DEEP), config, 4, batch, precision="bf16-mixed").rows
+    fresh = estimate_in_fresh_interpreter(GPTModule(**DEEP), config, 4, batch, precision="bf16-mixed")
+    assert fresh.rows == expected
+
+    class Local(GPTModule):  # defined in a function
+        pass
+
+    script_class = type("Script", (GPTModule,), {"__module__": "__main__"})
+    for cls in (Local, script_class):
+        fresh = estimate_in_fresh_interpreter(cls(**DEEP), config, 4, batch, precision="bf16-mixed")
+        assert fresh.rows == expected, cls

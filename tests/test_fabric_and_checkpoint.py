@@ -12,11 +12,12 @@ import torch
 from examples.fabric_train import fabric_train
 from examples.gpt import GPT_TP_PLAN
 from tests.conftest import assert_parity
-from tests.gpt_runs import DATA, MODEL, SEED, full_state, run_par3d
+from tests.constants import BF16_MIXED_RTOL, DATA, MODEL, ONE_BATCH_EPOCHS, SEED
+from tests.fabric_runs import FABRIC_MODEL, fabric_checkpoint_job
+from tests.gpt_runs import full_state, run_par3d
 
 pytestmark = pytest.mark.dist
 
-FABRIC_MODEL = {k: v for k, v in MODEL.items() if k not in ("lr", "eps")}
 FABRIC_DATA = {k: v for k, v in DATA.items()}
 
 
@@ -56,25 +57,15 @@ def test_fabric_parity_dp2_tp2(pool4, clip):
     assert_parity(got, fabric_reference(clip))
 
 
-# One global batch per epoch (8 training windows): every step sees the whole training set, so the trajectory does not
-# depend on where Lightning's loop restarts its (non-stateful) DataLoader after a resume. Lightning 2.6 restarts a
-# plain DataLoader from the beginning of the epoch, and after an end-of-epoch checkpoint runs one extra batch of the
-# next epoch's order; it does so with its default single-device strategy too, so that is the loop's behaviour, not
-# the strategy's. What this test pins down is the strategy's part: model and optimizer shards restored exactly.
-ONE_BATCH_EPOCHS = dict(max_bytes=322)
-
-
-def test_fabric_pipeline_step_pp2_tp2(pool4):
-    """`fabric.strategy.pipeline_step` runs the 1F1B schedule at pp=2 × tp=2, with clipping over both stages."""
+def test_fabric_train_step_pp2_tp2(pool4):
+    """`fabric.strategy.train_step` runs the 1F1B schedule at pp=2 × tp=2, with clipping over both stages."""
     got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), clip=0.5, model=dict(n_layer=4))[0]
     assert_parity(got, fabric_reference(0.5, n_layer=4))
 
 
-def test_fabric_bf16_mixed_pipeline_step(pool4):
-    """Fabric's precision='bf16-mixed' at pp=2 × tp=2: pipeline_step runs the schedule under the precision's
+def test_fabric_bf16_mixed_train_step(pool4):
+    """Fabric's precision='bf16-mixed' at pp=2 × tp=2: train_step runs the schedule under the precision's
     autocast; fp32 weights, losses within bf16-mixed's bound of fp32 (see tests/test_precision.py)."""
-    from tests.test_precision import BF16_MIXED_RTOL
-
     got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), model=dict(n_layer=4), precision="bf16-mixed")
     ref = fabric_reference(None, n_layer=4)["losses"]
     relative = [abs(a - b) / b for a, b in zip(got[0]["losses"], ref, strict=True)]
@@ -106,56 +97,6 @@ def test_a_missing_checkpoint_is_a_clear_error(pool4, tmp_path: Path):
         pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2), devices=4, resume_from=str(tmp_path / "nope.ckpt"))
     assert err.value.all_ranks_failed
     assert "is not a par3d checkpoint" in err.value.exc_message
-
-
-def fabric_checkpoint_job(strategy: dict, path: str) -> dict:
-    """Trains one step, saves model + optimizer + a counter, loads them into a fresh model and optimizer, and
-    reports whether every local shard and every optimizer state tensor came back exactly."""
-    from examples.fabric_train import gpt_loss
-    from examples.gpt import GPT, GPTConfig
-    from lightning_par3d import Par3DFabricStrategy
-
-    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, **strategy))
-    fabric.launch()
-
-    def fresh(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        fabric.seed_everything(seed)
-        with fabric.init_module():
-            model = GPT(GPTConfig(**{**FABRIC_MODEL, "n_layer": 4}))
-        model = fabric.setup_module(model)
-        return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    model, optimizer = fresh(SEED)
-    x = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(0))
-    fabric.strategy.pipeline_step(model, x, x.roll(1, 1), gpt_loss)
-    optimizer.step()
-    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
-
-    model2, optimizer2 = fresh(SEED + 1)
-    state = {"model": model2, "optimizer": optimizer2, "step": 0}
-    fabric.load(path, state)
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params_equal = all(
-        torch.equal(local(a), local(b)) for a, b in zip(model.parameters(), model2.parameters(), strict=True)
-    )
-    states = _per_parameter_state(optimizer, model), _per_parameter_state(optimizer2, model2)
-    optim_equal = all(
-        torch.equal(local(s1[k]), local(s2[k])) for s1, s2 in zip(*states, strict=True) for k in ("exp_avg", "step")
-    )
-    return {"params": params_equal, "optimizer": optim_equal, "step": state["step"]}
-
-
-def _per_parameter_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[dict]:
-    """The optimizer state of each parameter in order; a ZeRO wrapper's is that of this rank's rows."""
-    from lightning_par3d.zero.optimizer import zero_optimizers
-
-    zero = zero_optimizers([optimizer])
-    if zero:
-        return [zero[0].inner.state[t] for group in zero[0].inner.param_groups for t in group["params"]]
-    return [optimizer.state[p] for p in model.parameters()]
 
 
 @pytest.mark.parametrize("strategy", [dict(dp_shard=2, tp=2), dict(pp=2, tp=2)], ids=["dp2xtp2", "pp2xtp2"])

@@ -1,39 +1,58 @@
-"""Faults, each in its own process tree (``tests/fault_script.py``, Lightning's subprocess launcher, timeout_s=20):
-a rank killed, stalled or raising ends the whole job within timeout_s + 30 s, non-zero, with no process left, and
-the output names the rank; a save killed part-way leaves the previous checkpoint, which resumes on the
-single-process trajectory.
+"""Faults in a real job: ``python tests/fault_script.py`` on the real interpreter, whose Lightning launcher starts the
+other ranks as a user's job does. A rank killed, stalled or raising ends the whole job within ``timeout_s`` + 30 s
+of the fault, non-zero, with no process left, and the output names the rank; a save killed part-way leaves the
+previous checkpoint, which resumes on the single-process trajectory.
 
-The trees run a few at a time (:func:`_run_waves`), so that their waiting overlaps, and in the background of the
-session (``tests/background.py``): they start at a lower CPU priority, and each is put ahead of the pooled jobs the
-moment its fault happens, so that how long the job then takes to end is measured as on a machine that is not running
-a test suite beside it.
+Each case is one process tree, run in the background of the session (``tests/background.py``): selecting one test
+runs only its tree. From its fault to its end a tree runs ahead of the pooled jobs (niceness −10, where allowed), so
+the time it takes to end is the code's own, not a share of a machine that runs a test suite beside it; that time is
+when the last of its processes ended (each is watched through a pidfd), and it goes to ``timing.txt`` in the case's
+folder, with when each rank's ``fit`` raised and its interpreter began to exit.
+
+The matrix: each fault on rank 0 (the launcher, whose death the other ranks must notice in their collectives) and on
+another rank (whose death the launcher notices), at FSDP2 (``dp_shard``), DDP (``dp_replicate``), the pipeline
+(``pp``) and ``dp_shard`` × ``tp``. Every real interpreter costs about 6 s of CPU on a small machine, so cases that
+only repeat another case's code path are not run:
+
+* kill rank 1 under DDP and under pp: as under FSDP2 ("kill rank 1, dp"), Lightning's launcher on rank 0 polls the
+  ranks it started and ends the job, whatever the layout. (A kill of rank 0 takes each layout's own path, and runs at
+  all three.)
+* stall rank 0 at dp_shard × tp: a stalled launcher is "stall rank 0, dp" and "stall rank 0, pp"; the sub-meshes'
+  own collectives timing out at ``timeout_s`` is "stall rank 3, dp x tp", which waits on the same tp and dp groups.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import re
+import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests import background, preloaded
+from tests import background
+from tests.constants import FAULT_DATA, FAULT_STEP, FAULT_TIMEOUT_S
 from tests.gpt_runs import run_par3d, run_reference
 
 pytestmark = pytest.mark.dist
 
 SCRIPT = Path(__file__).with_name("fault_script.py")
-TIMEOUT_S = 20
-FAULT_STEP = 3
-TREE_LIMIT_S = 600  # a tree still running after this has hung: killed, and its case fails
-PAST_DUE_S = 30  # a tree still running this long after it should have ended is killed (its case fails)
-ONE_BATCH = dict(max_bytes=257, val_fraction=0.0)  # the fault script's data: 8 windows, one global batch per epoch
+ENDS_WITHIN_S = FAULT_TIMEOUT_S + 30
+"""A job must end within this of its fault."""
+PAST_DUE_S = 30
+"""A tree still running this long after it should have ended is killed (its case fails)."""
+TREE_LIMIT_S = 600
+"""A tree still running after this has hung: killed, and its case fails."""
+PYTHON = os.path.realpath(sys.executable)
+"""The interpreter binary every rank must be (``/proc/<pid>/exe``)."""
 
 
 @dataclass(frozen=True)
@@ -46,34 +65,16 @@ class Case:
     kill_save: str = ""
 
 
-@dataclass
-class Outcome:
-    returncode: int
-    output: str
-    ended_after_fault_s: float
-    left_behind: list[int]
-    marks: dict[str, float]
-    """When each rank's ``fit`` raised (``raised<rank>``) and its interpreter began to exit (``atexit<rank>``), in
-    seconds after the fault: where a slow end spent its time."""
-
-    def timing(self) -> str:
-        marks = ", ".join(f"{name} +{s:.1f}" for name, s in sorted(self.marks.items(), key=lambda item: item[1]))
-        return f"ended at +{self.ended_after_fault_s:.1f} s after the fault" + (f" ({marks})" if marks else "")
-
-
-FAULTS = [
-    Case("kill rank 0, dp", dict(dp_shard=2), 2, "kill", 0),
-    Case("kill rank 1, dp", dict(dp_shard=2), 2, "kill", 1),
-    Case("kill rank 0, DDP", dict(dp_replicate=2), 2, "kill", 0),
-    Case("kill rank 1, DDP", dict(dp_replicate=2), 2, "kill", 1),
-    Case("kill rank 0, pp", dict(pp=2), 2, "kill", 0),
-    Case("kill rank 1, pp", dict(pp=2), 2, "kill", 1),
+FAULTS = [  # the stalls first: their waiting for the timeout overlaps the other trees' work
     Case("stall rank 0, dp", dict(dp_shard=2), 2, "stall", 0),
     Case("stall rank 1, dp", dict(dp_shard=2), 2, "stall", 1),
     Case("stall rank 0, pp", dict(pp=2), 2, "stall", 0),
     Case("stall rank 1, pp", dict(pp=2), 2, "stall", 1),
-    Case("stall rank 0, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 0),
     Case("stall rank 3, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 3),
+    Case("kill rank 0, dp", dict(dp_shard=2), 2, "kill", 0),
+    Case("kill rank 1, dp", dict(dp_shard=2), 2, "kill", 1),
+    Case("kill rank 0, DDP", dict(dp_replicate=2), 2, "kill", 0),
+    Case("kill rank 0, pp", dict(pp=2), 2, "kill", 0),
     Case("raise on rank 1 in one step", dict(dp_shard=2), 2, "raise", 1),
 ]
 KILLED_SAVES = [
@@ -82,135 +83,169 @@ KILLED_SAVES = [
 ]
 
 
-def _launch(case: Case, out: Path) -> tuple[preloaded.Process, Path]:
-    """Starts the case's launcher (rank 0) as a fork of the preloaded server; Lightning's subprocess launcher then
-    starts the other ranks as ``[sys.executable, script, *args]``, which the server's stand-in ``python`` makes forks
-    of the server too (``tests/preloaded.py``)."""
-    out.mkdir(parents=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if case.kill_save:
-        env["KILL_SAVE"] = case.kill_save
-    args = [str(out), json.dumps(case.layout), str(case.devices), case.fault, str(case.rank), str(FAULT_STEP)]
-    if case.kill_save:
-        args.append("checkpoints")
-    log = out / "output.txt"
-    return background.start_script([str(SCRIPT), *args], out, log, log, env), log
+@dataclass
+class Rank:
+    pid: int
+    exe: str
+    """``/proc/<pid>/exe``, read while the rank ran."""
+    argv: list[str]
+    parent: int
 
 
 @dataclass
-class Tree:
-    """A running case: its launcher process (rank 0), output folder and log, and when it started."""
-
+class Outcome:
     case: Case
-    proc: preloaded.Process
     out: Path
-    log: Path
-    started: float
-    deadline: float | None = None
-    """Set when the launcher has ended: by then every other process of the job must have ended too."""
-    priority_raised: bool = False
+    returncode: int
+    output: str
+    launcher: int
+    """The PID of the process the test started (rank 0, whose Lightning launcher starts the others)."""
+    ranks: dict[int, Rank]
+    fault_at: float | None
+    ended_at: float
+    """When the last of the job's processes ended (or was found running past its deadline)."""
+    left_behind: list[int]
+    marks: dict[str, float] = field(default_factory=dict)
+    """When each rank's ``fit`` raised (``raised<rank>``) and its interpreter began to exit (``atexit<rank>``), in
+    seconds after the fault: where a slow end spent its time."""
+
+    @property
+    def ended_after_fault_s(self) -> float:
+        return self.ended_at - (self.fault_at or self.ended_at)
+
+    def timing(self) -> str:
+        marks = ", ".join(f"{name} +{s:.1f}" for name, s in sorted(self.marks.items(), key=lambda item: item[1]))
+        return f"ended at +{self.ended_after_fault_s:.1f} s after the fault" + (f" ({marks})" if marks else "")
 
 
-def _fault_at(out: Path) -> float | None:
-    return float((out / "fault_at").read_text()) if (out / "fault_at").exists() else None
+class _Tree:
+    """A running job: its launcher, the ranks as they write ``OUT/pid<rank>``, and when each process ended."""
+
+    def __init__(self, case: Case, out: Path) -> None:
+        self.out = out
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "KILL_SAVE")}
+        env["PYTHONUNBUFFERED"] = "1"
+        args = [str(out), json.dumps(case.layout), str(case.devices), case.fault, str(case.rank), str(FAULT_STEP)]
+        if case.kill_save:
+            env["KILL_SAVE"] = case.kill_save
+            args.append("checkpoints")
+        with open(out / "output.txt", "wb") as log:
+            self.launcher = background.popen(
+                [sys.executable, str(SCRIPT), *args], cwd=out, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        self.started = time.monotonic()
+        self.ranks: dict[int, Rank] = {}
+        self.watched: dict[int, int] = {}  # pidfd: pid
+        self.ended: dict[int, float] = {}  # pid: when it ended
+        self.deadline: float | None = None
+        self._watch(self.launcher.pid)
+
+    def run(self) -> None:
+        """Watches the job until it is over (see :meth:`_over`), putting it ahead of the pooled jobs at its fault."""
+        urgent = False
+        while not self._over():
+            self._find_ranks()
+            if not urgent and (self.fault_at() is not None or self.launcher.pid in self.ended):
+                background.set_priority(self.launcher.pid, background.URGENT_NICE)  # the ranks are in its group
+                urgent = True
+            ready, _, _ = select.select(list(self.watched), [], [], 0.2)
+            now = time.time()
+            for fd in ready:
+                self.ended[self.watched.pop(fd)] = now
+                os.close(fd)
+
+    def _over(self) -> bool:
+        """The launcher and every rank have ended; or the launcher has and the others are past their deadline (the
+        fault plus :data:`ENDS_WITHIN_S`, or 10 s at least); or the tree is past its limit. The launcher (rank 0)
+        may be the rank killed: the others must then end on their own."""
+        now, fault_at = time.time(), self.fault_at()
+        if time.monotonic() - self.started > TREE_LIMIT_S:
+            return True
+        if fault_at is not None and now > fault_at + ENDS_WITHIN_S + PAST_DUE_S:
+            return True
+        if self.launcher.pid not in self.ended:
+            return False
+        if self.deadline is None:
+            self.deadline = max(now + 10, (fault_at or now) + ENDS_WITHIN_S)
+        self._find_ranks()
+        return now > self.deadline or all(rank.pid in self.ended for rank in self.ranks.values())
+
+    def _watch(self, pid: int) -> None:
+        try:
+            self.watched[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            self.ended[pid] = time.time()
+
+    def _find_ranks(self) -> None:
+        for path in self.out.iterdir():
+            found = re.fullmatch(r"pid(\d+)", path.name)
+            if found is None or int(found[1]) in self.ranks:
+                continue
+            pid = int(path.read_text())
+            with contextlib.suppress(OSError):  # read while it runs: a process that has ended has neither
+                exe = os.readlink(f"/proc/{pid}/exe")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+                parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                self.ranks[int(found[1])] = Rank(pid, exe, argv, parent)
+            if pid != self.launcher.pid:
+                self._watch(pid)
+
+    def fault_at(self) -> float | None:
+        return float((self.out / "fault_at").read_text()) if (self.out / "fault_at").exists() else None
+
+    def outcome(self, case: Case) -> Outcome:
+        """The job's outcome; any of its processes still running is killed (and reported as left behind)."""
+        noticed = time.time()
+        left = background.group_members(self.launcher.pid)
+        left += [r.pid for r in self.ranks.values() if r.pid not in self.ended and r.pid not in left]
+        background.kill_group(self.launcher.pid)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        returncode = self.launcher.wait()
+        background.forget(self.launcher.pid)
+        for fd in self.watched:
+            os.close(fd)
+        fault_at = self.fault_at()
+        ends = [self.ended.get(pid) for pid in {self.launcher.pid, *(r.pid for r in self.ranks.values())}]
+        ended = noticed if left or None in ends else max(e for e in ends if e is not None)
+        stamps = [*self.out.glob("raised[0-9]"), *self.out.glob("atexit[0-9]")]
+        marks = {p.name: float(p.read_text()) - (fault_at or ended) for p in stamps}
+        output = (self.out / "output.txt").read_text(errors="replace")
+        return Outcome(case, self.out, returncode, output, self.launcher.pid, self.ranks, fault_at, ended, left, marks)
 
 
-def _pids(out: Path) -> list[int]:
-    return [int(p.read_text()) for p in out.glob("pid*")]
-
-
-def _ended(tree: Tree) -> bool:
-    """Whether the job is over: its launcher and every rank have ended, or the launcher has and the others are
-    past their deadline (the fault plus timeout_s + 30 s, or 10 s at least), or the tree is past its limit. The
-    launcher (rank 0) may be the rank killed; the others must then end on their own. The tree is put ahead of the
-    pooled jobs (``background.raise_priority``) once its fault has happened or its launcher has ended."""
-    fault_at = _fault_at(tree.out)
-    if not tree.priority_raised and (fault_at is not None or tree.proc.poll() is not None):
-        for group in {tree.proc.pid, *_pids(tree.out)}:  # the other ranks are forks in sessions of their own
-            background.raise_priority(group)
-        tree.priority_raised = True
-    if time.monotonic() - tree.started > TREE_LIMIT_S:
-        return True
-    if fault_at is not None and time.time() > fault_at + TIMEOUT_S + 30 + PAST_DUE_S:
-        return True
-    if tree.proc.poll() is None:
-        return False
-    if tree.deadline is None:
-        tree.deadline = max(time.time() + 10, (fault_at or time.time()) + TIMEOUT_S + 30)
-    return time.time() > tree.deadline or not any(_alive(p) for p in _pids(tree.out))
-
-
-def _collect(tree: Tree) -> Outcome:
-    """The job's outcome; any of its processes still alive is killed (and reported as left behind)."""
+def run_tree(out: Path, case: Case) -> Outcome:
+    """Runs the case's job to its end; its outcome."""
+    tree = _Tree(case, out)
     try:
-        returncode = tree.proc.wait(timeout=1)
-    except subprocess.TimeoutExpired:
-        background.kill_group(tree.proc.pid)
-        returncode = tree.proc.wait()
-    background.forget(tree.proc)
-    noticed = time.time()
-    left = [p for p in _pids(tree.out) if _alive(p)]
-    for pid in left:  # do not leave them to the rest of the suite
-        os.kill(pid, 9)
-    # The job ended when its last process did: the server that forked them reaped each and noted when. (The loop
-    # above notices later, by up to a few seconds on a busy machine.)
-    ends = [preloaded.ended_at(pid) for pid in {tree.proc.pid, *_pids(tree.out)}]
-    ended = max(e for e in ends if e is not None) if not left and all(e is not None for e in ends) else noticed
-    fault_at = _fault_at(tree.out) or ended
-    stamps = [*tree.out.glob("raised[0-9]"), *tree.out.glob("atexit[0-9]")]
-    marks = {p.name: float(p.read_text()) - fault_at for p in stamps}
-    marks["noticed"] = noticed - fault_at
-    return Outcome(returncode, tree.log.read_text(errors="replace"), ended - fault_at, left, marks)
+        tree.run()
+    finally:
+        outcome = tree.outcome(case)
+    (out / "timing.txt").write_text(outcome.timing() + "\n")
+    return outcome
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/stat")
-    return not (status.exists() and status.read_text().split()[2] == "Z")  # a zombie has ended
+fault_tree = background.fixture("fault_tree", run_tree, order=0, params=FAULTS, ids=lambda case: case.name)
+killed_save = background.fixture("killed_save", run_tree, order=0, params=KILLED_SAVES, ids=lambda case: case.name)
 
 
-def _waiting(tree: Tree) -> bool:
-    """A stall whose fault has happened: its ranks only wait for the timeout, using no CPU."""
-    return tree.case.fault == "stall" and (tree.out / "fault_at").exists()
-
-
-def _run_waves(cases: list[Case], root: Path, at_once: int = 3) -> dict[str, Outcome]:
-    """Runs the cases' process trees, ``at_once`` busy ones at a time, starting the next as soon as one ends or
-    stalls; the stalls first, so that their waiting for the timeout overlaps the other trees' work."""
-    order = sorted(enumerate(cases), key=lambda item: item[1].fault != "stall")
-    outcomes: dict[str, Outcome] = {}
-    running: list[Tree] = []
-    while order or running:
-        while order and sum(not _waiting(tree) for tree in running) < at_once:
-            index, case = order.pop(0)
-            proc, log = _launch(case, root / f"case{index}")
-            running.append(Tree(case, proc, log.parent, log, time.monotonic()))
-        done = next((tree for tree in running if _ended(tree)), None)
-        if done is None:
-            time.sleep(0.2)
-            continue
-        running.remove(done)
-        outcomes[done.case.name] = _collect(done)
-    return outcomes
-
-
-def _all_trees(root: Path) -> tuple[dict[str, Outcome], Path]:
-    outcomes = _run_waves(FAULTS + KILLED_SAVES, root)
-    ends = {name: outcome.timing() for name, outcome in outcomes.items()}
-    (root / "ended_after_fault_s.json").write_text(json.dumps(ends, indent=1))  # the margins, for a person to read
-    return outcomes, root
-
-
-trees = background.fixture("trees", _all_trees, order=0)
-"""Every process tree of this module (the faults and the killed saves), run together in the background."""
-
-
-@pytest.fixture(scope="module")
-def fault_outcomes(trees) -> dict[str, Outcome]:
-    return trees[0]
+def assert_the_job_ended(outcome: Outcome) -> None:
+    """Non-zero, within :data:`ENDS_WITHIN_S` of the fault, nothing left; every rank a real interpreter running the
+    script, rank 0 the process the test started and the others started by its Lightning launcher."""
+    tail, case = outcome.output[-4000:], outcome.case
+    assert outcome.fault_at is not None, f"the fault never happened\n{tail}"
+    assert outcome.returncode != 0, tail
+    assert outcome.ended_after_fault_s <= ENDS_WITHIN_S, (outcome.timing(), tail)
+    assert outcome.left_behind == [], tail
+    assert sorted(outcome.ranks) == list(range(case.devices)), (outcome.ranks, tail)
+    for rank, seen in outcome.ranks.items():
+        assert seen.exe == PYTHON, f"rank {rank} ran {seen.exe}, not {PYTHON}"
+        assert seen.argv[1:2] == [str(SCRIPT)], f"rank {rank} ran {seen.argv}"
+        if rank == 0:
+            assert seen.pid == outcome.launcher, "rank 0 is not the process the test started"
+        else:
+            assert seen.parent == outcome.launcher, f"rank {rank} was not started by rank 0's launcher"
 
 
 def _names_the_rank(case: Case, output: str) -> bool:
@@ -228,17 +263,32 @@ def _names_the_rank(case: Case, output: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("case", FAULTS, ids=[c.name for c in FAULTS])
-def test_a_failing_rank_ends_the_job(fault_outcomes, case):
-    outcome = fault_outcomes[case.name]
-    tail = outcome.output[-4000:]
-    assert outcome.returncode != 0, tail
-    assert outcome.ended_after_fault_s <= TIMEOUT_S + 30, (outcome.timing(), tail)
-    assert outcome.left_behind == [], tail
-    assert _names_the_rank(case, outcome.output), tail
+def test_a_failing_rank_ends_the_job(fault_tree: Outcome) -> None:
+    assert_the_job_ended(fault_tree)
+    assert _names_the_rank(fault_tree.case, fault_tree.output), fault_tree.output[-4000:]
 
 
-def test_the_failure_message_carries_the_whole_error():
+@functools.cache
+def one_batch_reference() -> dict:
+    return run_reference(max_steps=6, data=FAULT_DATA)
+
+
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint(pool2, killed_save: Outcome) -> None:
+    assert_the_job_ended(killed_save)
+    last = killed_save.out / "ckpt" / "last.ckpt"
+    run = dict(strategy=killed_save.case.layout, devices=2, data=FAULT_DATA, resume_from=str(last))
+    resumed = pool2.run(run_par3d, **run)[0]
+    whole = one_batch_reference()
+    done = len(resumed["losses"])
+    assert 0 < done < 6
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][-done:]), rtol=1e-4, atol=0
+    )
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-4 * value.abs().max().item())
+
+
+def test_the_failure_message_carries_the_whole_error() -> None:
     """Lightning's launcher may SIGKILL rank 0 before its traceback is printed (it polls the ranks it launched, and
     rank 0 has just ended them): the message printed first must carry every line of the error, not just the first."""
     from lightning_par3d.parallel.faults import describe_failure
@@ -254,7 +304,7 @@ def test_the_failure_message_carries_the_whole_error():
     assert "    line 39" in many and "line 40" not in many and "(60 more lines)" in many
 
 
-def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers():
+def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers() -> None:
     """The interpreter's shutdown garbage collection took seconds of a failed rank's exit on a busy node: after a
     failure the heap is frozen at exit, and the exit handlers registered before the failure still run."""
     script = (
@@ -267,33 +317,3 @@ def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers()
     assert done.returncode == 0, done.stderr
     assert "par3d: rank 0 failed" in done.stderr
     assert done.stdout.strip() == "handler ran, frozen objects: True"
-
-
-@pytest.fixture(scope="module")
-def killed_saves(trees) -> dict[str, tuple[Outcome, Path]]:
-    outcomes, root = trees
-    first = len(FAULTS)
-    return {case.name: (outcomes[case.name], root / f"case{first + i}") for i, case in enumerate(KILLED_SAVES)}
-
-
-@functools.cache
-def one_batch_reference() -> dict:
-    return run_reference(max_steps=6, data=ONE_BATCH)
-
-
-@pytest.mark.parametrize("case", KILLED_SAVES, ids=[c.name for c in KILLED_SAVES])
-def test_a_save_killed_part_way_leaves_the_previous_checkpoint(pool2, killed_saves, case):
-    outcome, out = killed_saves[case.name]
-    assert outcome.returncode != 0, outcome.output[-3000:]
-    assert outcome.ended_after_fault_s <= TIMEOUT_S + 30, (outcome.timing(), outcome.output[-3000:])
-    assert outcome.left_behind == []
-    last = out / "ckpt" / "last.ckpt"
-    resumed = pool2.run(run_par3d, strategy=case.layout, devices=2, data=ONE_BATCH, resume_from=str(last))[0]
-    whole = one_batch_reference()
-    done = len(resumed["losses"])
-    assert 0 < done < 6
-    torch.testing.assert_close(
-        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][-done:]), rtol=1e-4, atol=0
-    )
-    for name, value in whole["params"].items():
-        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-4 * value.abs().max().item())

@@ -40,7 +40,7 @@ def test_zero_parity_on_two_gpus(gpu_pool, strategy):
 
 def test_fp16_mixed_on_two_gpus(gpu_pool):
     """precision='16-mixed' on CUDA: the global gradient scaler, losses within fp16's bound of fp32."""
-    from tests.test_precision import BF16_MIXED_RTOL
+    from tests.constants import BF16_MIXED_RTOL
 
     torch.backends.cuda.matmul.allow_tf32 = False
     got = gpu_pool.run(run_par3d, strategy=dict(zero_stage=3), devices=2, accelerator="gpu", precision="16-mixed")[0]

@@ -19,7 +19,8 @@ from lightning_par3d.integrations.hydra import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LAUNCH_CONFIGS = "accelerate"  # conf/accelerate/: `accelerate launch --config_file` files, not a Hydra group
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != LAUNCH_CONFIGS)
+CLI_CONFIGS = "cli"  # conf/cli/: LightningCLI `--config` files (examples/cli.py), not a Hydra group
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in (LAUNCH_CONFIGS, CLI_CONFIGS))
 
 
 def compose_train(overrides: list[str]):

@@ -17,9 +17,10 @@ ROOT = Path(lightning_par3d.__file__).parent
 PACKAGE = "lightning_par3d"
 
 LAYERS: list[tuple[str, ...]] = [
-    # 0: vocabularies and name patterns, importing nothing of par3d
+    # 0: vocabularies and name patterns, and the private torch APIs par3d uses, importing nothing of par3d
     (
         "patterns",
+        "torch_private",
         "parallel.styles",
         "parallel.local_styles",
         "pipeline.schedules",
@@ -35,8 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel.*", "pipeline.*", "zero.*"),
     # 3: what composes them, and what reads their results
     ("parallel.parallelize", "checkpoint.*", "memory.meters"),
-    # 4: the engine, and the estimator (which simulates what the engine builds)
-    ("engine", "memory.estimate"),
+    # 4: the engine, and the estimator (which simulates what the engine builds; in a fresh interpreter for a rank)
+    ("engine", "memory.estimate", "memory.estimate_process"),
     # 5: front-ends and observers
     ("integrations", "integrations.*", "callbacks", "callbacks.*", "accelerate", "transformers"),
     # 6: the public package
@@ -182,3 +183,62 @@ def test_the_checks_see_a_cycle_and_a_layer_violation(monkeypatch):
         test_lower_layers_never_import_higher_ones()
     with pytest.raises(AssertionError, match="config imports lightning"):
         test_the_core_imports_no_front_end_framework()
+
+
+def _fresh(code: str) -> str:
+    """``code`` run by a fresh interpreter (nothing imported yet); its stdout."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_the_engine_imports_without_lightning():
+    """A plain torch loop or an Accelerate script that imports the engine pays no Lightning import."""
+    loaded = _fresh("import sys, lightning_par3d.engine; print(sorted(m for m in sys.modules if m == 'lightning'))")
+    assert loaded == "[]"
+
+
+IMPORT_ORDERS = {
+    "lightning first": "import lightning, lightning_par3d",
+    "par3d first": "import lightning_par3d, lightning",
+    "strategy class first": "from lightning_par3d import Par3DStrategy; import lightning",
+    "fabric strategy module only": "import lightning_par3d.integrations.fabric",
+}
+
+
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_importing_the_package_registers_par3d_whatever_the_import_order(order):
+    got = _fresh(
+        "import warnings; warnings.simplefilter('error', UserWarning)\n"
+        f"{IMPORT_ORDERS[order]}\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print(StrategyRegistry['par3d']['strategy'].__name__, STRATEGY_REGISTRY['par3d']['strategy'].__name__)"
+    )
+    assert got == "Par3DStrategy Par3DFabricStrategy"
+
+
+FRONT_ENDS = {
+    "integrations/trainer.py": "Par3DStrategy",
+    "integrations/fabric.py": "Par3DFabricStrategy",
+    "integrations/accelerate.py": "Par3DAccelerator",
+}
+FRONT_END_LINES = 200
+
+
+@pytest.mark.parametrize("path, name", list(FRONT_ENDS.items()))
+def test_front_ends_stay_thin_and_use_only_the_engines_public_api(path, name):
+    """A front-end translates its framework's hooks into engine calls: its class body stays under 200 lines, and no
+    front-end module (its mixins included) or callback reads a private name of the engine (``engine._x``)."""
+    tree = ast.parse((ROOT / path).read_text())
+    [cls] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name]
+    assert cls.end_lineno is not None
+    assert cls.end_lineno - cls.lineno + 1 < FRONT_END_LINES, f"{name} has {cls.end_lineno - cls.lineno + 1} lines"
+    for module in sorted([*(ROOT / "integrations").glob("*.py"), *(ROOT / "callbacks").glob("*.py")]):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                inner = node.value
+                owner = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
+                assert owner != "engine", f"{module.name}:{node.lineno} reads engine.{node.attr}"

@@ -19,6 +19,7 @@ from examples.data import ShakespeareDataModule
 from examples.fabric_train import gpt_loss
 from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig, GPTModule
 from tests.conftest import assert_parity
+from tests.constants import ONE_BATCH_EPOCHS
 from tests.gpt_runs import (
     GLOBAL_BATCH,
     MODEL,
@@ -31,7 +32,6 @@ from tests.gpt_runs import (
     trainer_kwargs,
 )
 from tests.harness import RankError
-from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
 
 pytestmark = pytest.mark.dist
 
@@ -273,7 +273,7 @@ def fabric_resume(strategy: dict[str, Any] | None, path: str, start: int, stop: 
             loss = gpt_loss(model(x), y)
             fabric.backward(loss)
         else:
-            loss = fabric.strategy.pipeline_step(model, x, y, gpt_loss)
+            loss = fabric.strategy.train_step(model, x, y, gpt_loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
@@ -303,3 +303,52 @@ def test_fabric_resume_at_another_layout(pool4, tmp_path, before, after):
     second = pool4.run(fabric_resume, strategy=after, path=path, start=3, stop=6)[0]
     ref = fabric_reference()
     assert_parity({"losses": first["losses"] + second["losses"], "params": second["params"]}, ref)
+
+
+# ---------------------------------------------------------------- releasing the meshes
+
+
+def _mesh_threads(rank: int, port: int, results: Any) -> None:
+    """In a fresh process of a 2-rank job: OS threads before any mesh, with the meshes of three layouts, and after
+    ``destroy_meshes``."""
+    import torch.distributed as dist
+
+    from lightning_par3d import Par3DConfig, resolve_layout
+    from lightning_par3d.parallel import groups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    before = threads()
+    for config in (Par3DConfig(dp_shard=2), Par3DConfig(tp=2), Par3DConfig(pp=2)):
+        groups.acquire_mesh(resolve_layout(config, 2), torch.device("cpu"), "gloo", 60)
+    held = threads()
+    destroyed = groups.destroy_meshes()
+    gc.collect()
+    results.put((rank, before, held, threads(), destroyed))
+    dist.destroy_process_group()
+
+
+def test_destroy_meshes_releases_the_groups_threads():
+    """par3d keeps one mesh per layout for the life of the process (DTensor's caches), and
+    ``groups.destroy_meshes()`` gives their process groups and transport threads back. A fresh 2-process job, not the
+    pool: destroyed meshes would poison later jobs at the same layout in a long-lived worker."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_mesh_threads, args=(rank, port, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    for _rank, before, held, after, destroyed in got:
+        assert destroyed == 3
+        assert held - before >= 6, (before, held)  # each layout's groups hold transport threads
+        assert after <= before + 1, (before, held, after)

@@ -35,15 +35,6 @@ def test_dp_rank_orders_replicas_then_shards():
     assert [MESH.dp_rank(r) for r in (0, 1, 2, 3, 4, 6, 8)] == [0, 0, 1, 1, 2, 3, 0]
 
 
-def test_pipeline_neighbours_wrap():
-    assert MESH.next_pp_rank(5) == 13
-    assert MESH.prev_pp_rank(5) == 13
-    assert MESH.next_pp_rank(13) == 5
-    four = Par3DMesh(Layout(pp=4, dp_replicate=1, dp_shard=1, tp=2))
-    assert [four.next_pp_rank(r) for r in (0, 2, 4, 6)] == [2, 4, 6, 0]
-    assert [four.prev_pp_rank(r) for r in (1, 3)] == [7, 1]
-
-
 def test_bad_queries_raise():
     with pytest.raises(ValueError, match="Rank 16 is outside the mesh of 16 ranks"):
         MESH.coords(16)

@@ -9,17 +9,8 @@ import lightning as L
 import pytest
 import torch
 
+from tests.constants import BF16_MIXED_RTOL, BF16_TRUE_RTOL  # why these bounds: see tests/constants.py
 from tests.gpt_runs import run_par3d, run_reference
-
-# bf16 keeps 8 significant bits: unit roundoff 2^-9 ≈ 2e-3 on every value autocast rounds.
-# * bf16-mixed rounds only matmul inputs; the weights, the loss and its reduction stay fp32, and the rounding errors
-#   of a 32-wide dot product average out over the 256 tokens of the mean loss. Measured: within 1.3e-4 of fp32 over
-#   6 steps at every layout below. Tolerance 1e-3: half bf16's unit roundoff, 7× the measured worst case.
-# * bf16-true holds weights, gradients, Adam's moments and the loss itself in bf16: the loss (≈ 5) is a multiple of
-#   2^-5, so rounding alone moves it by up to 0.3 %, and every update loses the digits below bf16's resolution.
-#   Measured: within 0.84 %. Tolerance 2e-2.
-BF16_MIXED_RTOL = 1e-3
-BF16_TRUE_RTOL = 2e-2
 
 
 @functools.cache

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.conftest import assert_parity
+from tests.constants import ONE_BATCH_EPOCHS
 from tests.harness import RankError
 from tests.hf_runs import PACKED_PLAN, accelerate_hf_loop, module, run_par3d, run_reference, save_tiny_pretrained
-from tests.test_fabric_and_checkpoint import ONE_BATCH_EPOCHS
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 ARCHITECTURES = {
@@ -120,6 +120,33 @@ def test_pipeline_at_four_ranks(pool4, name, strategy):
     assert_parity(got, reference(name))
 
 
+@pytest.mark.dist
+def test_models_own_plan_under_pipelining_and_tensor_parallelism(pool4):
+    """The module's ``tp_plan`` hook returns the transformers model's own plan (``dict(self.model.tp_plan)``) at
+    pp2×tp2: each stage applies the entries of the modules it holds (the LM head's entry is skipped on the first
+    stage, the embedding's on the last, where they are placeholders) and the run matches one process."""
+    got = pool4.run(run_par3d, strategy=dict(pp=2, tp=2), devices=4, model=ARCHITECTURES["llama"], own_plan=True)[0]
+    assert_parity(got, reference("llama"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("own_plan", [True, False], ids=["own-plan", "tp_plan-auto"])
+def test_models_own_plan_in_full_3d(pool8, own_plan):
+    """pp2 × dp_shard2 × tp2 on 8 ranks, with the model's own plan from the module's hook and with ``"auto"``."""
+    strategy = dict(pp=2, dp_shard=2, tp=2, **({} if own_plan else {"tp_plan": "auto"}))
+    got = pool8.run(run_par3d, strategy=strategy, devices=8, model=ARCHITECTURES["llama"], own_plan=own_plan)[0]
+    assert_parity(got, reference("llama"))
+
+
+@pytest.mark.dist
+def test_plan_entry_matching_nothing_on_any_stage_is_refused_by_name(pool4):
+    """Skipping the entries of modules another stage holds does not hide a pattern that matches nothing at all."""
+    plan = {"lm_head": "colwise_gather_output", "model.layers.*.self_attn.qq_proj": "colwise"}
+    with pytest.raises(RankError, match=r"'model\.layers\.\*\.self_attn\.qq_proj' matches no module") as info:
+        pool4.run(run_par3d, strategy=dict(pp=2, tp=2, tp_plan=plan), devices=4, model=ARCHITECTURES["llama"])
+    assert info.value.all_ranks_failed
+
+
 def test_tied_embeddings_are_refused_under_pipelining():
     from lightning_par3d.pipeline.hf import check_pipelinable
 
@@ -196,6 +223,16 @@ def test_pretrained_round_trip_at_pp2_tp2(pool4, tmp_path):
     assert convert([str(checkpoint), str(converted), "--config", str(source)]) == 0
     again = AutoModelForCausalLM.from_pretrained(converted).state_dict()
     assert all(torch.equal(again[name], value) for name, value in reloaded.state_dict().items())
+
+
+def test_pretrained_models_start_training_in_train_mode(tmp_path):
+    """``from_pretrained`` returns a model in eval mode; the example's module trains it in train mode, as it does a
+    model built with ``from_config`` (par3d's ``init="pretrained"``)."""
+    source = save_tiny_pretrained(tmp_path / "pretrained")
+    for path in (str(source), None):
+        lm = module({"pretrained_path": path})
+        lm.configure_model()
+        assert all(sub.training for sub in lm.modules()), path
 
 
 def test_pretrained_directory_lacking_a_weight_is_refused_by_name(tmp_path):

@@ -251,7 +251,7 @@ def test_resume_restores_each_stage(pool2, tmp_path: Path, stage):
     ids=["zero1-dp4", "zero2-dp2xtp2", "zero1-pp2xdp2"],
 )
 def test_fabric_checkpoint_restores_zero_state_exactly(pool4, tmp_path: Path, strategy):
-    from tests.test_fabric_and_checkpoint import fabric_checkpoint_job
+    from tests.fabric_runs import fabric_checkpoint_job
 
     results = pool4.run(fabric_checkpoint_job, strategy=strategy, path=str(tmp_path / "ckpt"))
     assert all(r == {"params": True, "optimizer": True, "step": 1} for r in results), results

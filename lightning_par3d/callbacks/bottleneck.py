@@ -48,8 +48,9 @@ from lightning_par3d.callbacks.bottleneck_findings import (
     render_markdown,
     short_summary,
 )
-from lightning_par3d.callbacks.run_files import output_directory, par3d_engine, pp_rank, unconfigured_copy
+from lightning_par3d.callbacks.run_context import output_directory, par3d_engine, pp_rank, unconfigured_copy
 from lightning_par3d.callbacks.timeline import Block, plot_timeline
+from lightning_par3d.torch_private import schedule_stages
 
 QUIET_KINETO = "6"
 """Kineto's log level above all of its levels: none of its lines (torch 2.13 prints its start and stop lines at
@@ -109,8 +110,7 @@ class BottleneckReport(L.Callback):
         engine = par3d_engine(trainer)
         runner = engine.pipeline if engine is not None else None
         if runner is not None:
-            schedule = runner.schedule
-            for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+            for stage in schedule_stages(runner.schedule):
                 _mark_stage_calls(stage)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:

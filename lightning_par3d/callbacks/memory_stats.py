@@ -20,8 +20,9 @@ under ``memory/rank{r}/{kind}_mib`` (at the end of the step) and ``memory/rank{r
 step), with ``kind`` one of ``params``, ``grads``, ``optimizer``, ``activations``; then
 ``memory/rank{r}/total_peak_mib`` (the sum of the peaks) and, on CUDA, ``memory/rank{r}/cuda_allocated_mib`` and
 ``memory/rank{r}/cuda_peak_mib``. At the end of fit, rank 0 prints a per-rank table beside
-:func:`~lightning_par3d.estimate_memory`'s prediction for the layout (computed then, in a child process, since the
-estimator needs a process without a process group) and writes ``memory_stats.png`` (memory over steps, one panel
+:func:`~lightning_par3d.estimate_memory`'s prediction for the layout (computed then, in a fresh interpreter, since
+the estimator needs a process without a process group: the LightningModule's class must be importable, not defined
+in the script being run) and writes ``memory_stats.png`` (memory over steps, one panel
 per rank, stacked by kind) and ``memory_stats.csv`` to ``dirpath`` (default: the logger's directory, else
 ``trainer.default_root_dir``).
 """
@@ -38,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
 from lightning_par3d.callbacks.memory_report import format_summary, plot_memory, write_csv
-from lightning_par3d.callbacks.run_files import output_directory, pp_rank, unconfigured_copy
+from lightning_par3d.callbacks.run_context import output_directory, pp_rank, unconfigured_copy
 from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -88,7 +89,8 @@ class MemoryStats(L.Callback):
         log_every_n_steps: how often all ranks' figures go to the loggers; default: the Trainer's.
         dirpath: where to write ``memory_stats.png`` and ``.csv``; default: the logger's directory, else
             ``trainer.default_root_dir``.
-        estimate: compare with :func:`~lightning_par3d.estimate_memory` (run in a child process on rank 0).
+        estimate: compare with :func:`~lightning_par3d.estimate_memory` (run in a fresh interpreter by rank 0; the
+            LightningModule's class must be importable by name).
         verbose: print the per-rank table at the end of fit (rank 0).
     """
 
@@ -115,10 +117,10 @@ class MemoryStats(L.Callback):
     # ---------------------------------------------------------------- measuring
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and self.estimate and trainer.is_global_zero:
+            self._unconfigured = None
             try:  # the LightningModule before configure_model: what the estimator builds on fake tensors
                 self._unconfigured = unconfigured_copy(pl_module)
-            except Exception as err:  # the comparison is optional; say why it is missing
-                self._unconfigured = None
+            except Exception as err:
                 rank_zero_info(f"MemoryStats: no estimate to compare with ({type(err).__name__}: {err}).")
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
@@ -220,7 +222,7 @@ def _gather_records(records: list[MemoryRecord]) -> list[MemoryRecord] | None:
     return [MemoryRecord(**row) for rows in everyone for row in rows]
 
 
-# ---------------------------------------------------------------- the estimate, in a child process
+# ---------------------------------------------------------------- the estimate, in a fresh interpreter
 
 
 def _optimizer_kind(trainer: L.Trainer) -> str | None:
@@ -244,22 +246,20 @@ def _estimate(module: L.LightningModule, trainer: L.Trainer, shapes: tuple[torch
     """:func:`~lightning_par3d.estimate_memory` for the run's layout and batch, or None (with the reason printed).
 
     The estimator simulates every rank in a fake process group of its own, which cannot exist beside this rank's
-    real one; it runs in a forked copy of this process (:func:`~lightning_par3d.callbacks.isolated.run_isolated`),
-    so the LightningModule is never pickled: a class defined in the user's script works as any other."""
-    from lightning_par3d.callbacks.isolated import run_isolated
-    from lightning_par3d.memory.estimate import estimate_memory
+    real one; it runs in a fresh interpreter
+    (:func:`~lightning_par3d.memory.estimate_process.estimate_in_fresh_interpreter`), which gets the module
+    pickled."""
+    from lightning_par3d.memory.estimate_process import estimate_in_fresh_interpreter
 
     config = getattr(trainer.strategy, "config", None)
     kind = _optimizer_kind(trainer)
     if config is None or kind is None:
         return None
     precision = str(trainer.precision)
-
-    def estimate() -> Any:
-        return estimate_memory(module, config, trainer.world_size, shapes, precision=precision, optimizer=kind)
-
     try:
-        return run_isolated(estimate)
+        return estimate_in_fresh_interpreter(
+            module, config, trainer.world_size, shapes, precision=precision, optimizer=kind
+        )
     except Exception as err:
         rank_zero_info(f"MemoryStats: the estimate failed, so the table has no estimate column: {err}")
         return None

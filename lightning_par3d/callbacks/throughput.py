@@ -26,7 +26,7 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from typing_extensions import override
 
-from lightning_par3d.callbacks.run_files import par3d_engine
+from lightning_par3d.callbacks.run_context import par3d_engine
 
 
 class _DataParallelThroughput(Throughput):

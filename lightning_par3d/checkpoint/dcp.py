@@ -22,6 +22,7 @@ the caller passes (Lightning's ``trainer.fit(..., weights_only=...)``; torch's d
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
 import shutil
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_par3d.parallel.interleaved import contiguous_copies, copy_back, put_back
+from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back, put_back
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
 METADATA_FILENAME = "meta.pt"
@@ -382,14 +383,34 @@ def SafeFileSystemReader(path: Path) -> Any:
 def _SafeLoadPlanner() -> Any:
     """DCP's default load planner, with non-tensor entries read by ``torch.load(..., weights_only=True)``."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                _set_at_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return _Planner()
+
+
+def _set_at_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Puts ``value`` in the nested state dict ``root`` at ``path`` (keys of dicts, indices of lists, as DCP's
+    flattening mappings give them), creating the containers on the way: a dict before a string key, a list (grown
+    with ``None``) before an index. What ``DefaultLoadPlanner.load_bytes`` does with a private helper of DCP."""
+    container: Any = root
+    for key, following in itertools.pairwise(path):
+        empty: Any = {} if isinstance(following, str) else []
+        if isinstance(container, dict):
+            container = container.setdefault(key, empty)
+        else:
+            assert isinstance(key, int), f"a list indexed by {key!r} in the path {path}"
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+    last = path[-1]
+    if isinstance(last, int):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value

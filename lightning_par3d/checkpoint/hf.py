@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.interleaved import contiguous_copies, copy_back
+from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back
 from lightning_par3d.patterns import find_transformers_model
 
 

@@ -28,26 +28,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import prepare_data_loader
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import InitProcessGroupKwargs, convert_outputs_to_fp32, recursively_apply
-from accelerate.utils.modeling import get_mixed_precision_context_manager
+from accelerate.utils import InitProcessGroupKwargs, recursively_apply
 from torch import nn
-from torch.optim import Optimizer
 
-from lightning_par3d.config import Par3DConfig
+from lightning_par3d.config import Par3DConfig, changed_settings, config_from, field_settings
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.integrations.accelerate_prepare import PreparedForPar3D
+from lightning_par3d.integrations.accelerate_state import Par3DStateCheckpoints
 from lightning_par3d.parallel import groups
-from lightning_par3d.parallel.gradients import clip_grads_
+from lightning_par3d.parallel.gather import map_tensors, only_tensors
 from lightning_par3d.parallel.precision import GlobalGradScaler
-from lightning_par3d.pipeline.trunk import PipelineHost
-from lightning_par3d.zero.optimizer import optimizer_grads
+from lightning_par3d.parallel.threads import local_processes_from_env, set_threads_per_rank
 
 PRECISIONS = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 """Accelerate's ``mixed_precision`` → par3d's precision."""
@@ -57,46 +52,60 @@ _FOREIGN_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_U
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-class Par3DAccelerator(Accelerator):
+class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
     """An ``accelerate.Accelerator`` that trains at a par3d layout (see the module docstring).
 
     Args:
         par3d: the layout and its settings; default: fully sharded data parallel over every process.
-        parallelism_config: an Accelerate ``ParallelismConfig`` to convert instead of ``par3d``.
+        parallelism_config: an Accelerate ``ParallelismConfig`` to convert instead of ``par3d``: its
+            ``dp_replicate_size``, ``dp_shard_size`` and ``tp_size`` give ``dp_replicate``, ``dp_shard`` and ``tp``.
+        dp_replicate, dp_shard, …, timeout_s: :class:`~lightning_par3d.config.Par3DConfig`'s fields as typed
+            keywords with its defaults (a list or dict field's None means its empty default), instead of ``par3d``,
+            or beside ``parallelism_config`` for the fields it does not give. None of them shares a name with
+            ``Accelerator``'s own arguments (a test keeps it so), so each keyword goes to exactly one of the two.
         **kwargs: Accelerate's own arguments (``mixed_precision``, ``gradient_accumulation_steps``, ``log_with``, …).
             ``cpu`` defaults to True on a machine without CUDA.
     """
 
     def __init__(
-        self, *args: Any, par3d: Par3DConfig | None = None, parallelism_config: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        par3d: Par3DConfig | None = None,
+        parallelism_config: Any = None,
+        # Par3DConfig's fields, typed, with its defaults (None: a fresh empty list or dict); tests/test_lightning_cli.py
+        # keeps them equal to the dataclass.
+        dp_replicate: int = 1,
+        dp_shard: int | str = "auto",
+        zero_stage: int | None = None,
+        dp: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        pipeline_schedule: str = "1f1b",
+        microbatches: int = 4,
+        virtual_stages: int = 1,
+        split_points: list[str] | None = None,
+        tp_plan: Any = None,
+        fsdp_blocks: str | None = None,
+        reshard_after_forward: bool | None = None,
+        activation_checkpointing: str = "none",
+        ac_every: int = 2,
+        ac_blocks: str | None = None,
+        offload: bool = False,
+        grad_compression: str | None = None,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 2,
+        init: str = "rank0",
+        pretrained_path: str | None = None,
+        seed: int | None = None,
+        timeout_s: float = 1800.0,
+        **kwargs: Any,
     ) -> None:
-        foreign = [name for name in _FOREIGN_PLUGINS if kwargs.get(name) is not None]
-        foreign += [name for name in _FOREIGN_ENV if os.environ.get(name, "").lower() in ("1", "true")]
-        if foreign:
-            raise ValueError(
-                f"Par3DAccelerator applies par3d's own parallelism; it cannot run together with {', '.join(foreign)}. "
-                "Remove them (a ParallelismConfig converts with Par3DConfig.from_accelerate(...) or "
-                "Par3DAccelerator(parallelism_config=...))."
-            )
-        if par3d is not None and parallelism_config is not None:
-            raise TypeError("Pass either par3d= or parallelism_config= to Par3DAccelerator, not both.")
-        config = Par3DConfig.from_accelerate(parallelism_config) if parallelism_config is not None else par3d
-        config = config or Par3DConfig()
-        mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-        mixed = str(mixed.value if hasattr(mixed, "value") else mixed)
-        if mixed not in PRECISIONS:
-            raise ValueError(
-                f"mixed_precision={mixed!r}: Par3DAccelerator supports {', '.join(map(repr, PRECISIONS))}."
-            )
-        cpu = kwargs.setdefault("cpu", not torch.cuda.is_available())
-        if mixed == "fp16" and cpu:
-            raise ValueError(
-                "mixed_precision='fp16' needs CUDA (Accelerate applies neither autocast nor loss scaling on CPU). "
-                "Use mixed_precision='bf16' on CPU."
-            )
+        config = _config(par3d, parallelism_config, locals())
+        mixed, cpu = _checked_accelerate_arguments(kwargs)
         self.engine = Par3DEngine(config, precision=PRECISIONS[mixed])
         world = _world_size()
         self.engine.resolve(world, "cpu" if cpu else "cuda")  # every check that can fail, before any process group
+        set_threads_per_rank(local_processes_from_env())  # Lightning's rule, before Accelerate applies its own
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             handlers.append(InitProcessGroupKwargs(timeout=groups.join_timeout(config.timeout_s)))
@@ -104,7 +113,7 @@ class Par3DAccelerator(Accelerator):
         self._prepared: list[nn.Module] = []
         self._prepared_in_this_call: list[nn.Module] = []
         self.engine.setup(self.device)
-        self.engine.accumulate = self.gradient_accumulation_steps
+        self.engine.accumulate_grad_batches = self.gradient_accumulation_steps
         if mixed == "fp16":  # one overflow decision for every shard of every rank
             self.scaler = GlobalGradScaler(self.device.type)
 
@@ -125,103 +134,6 @@ class Par3DAccelerator(Accelerator):
         device), so that ``prepare`` gives every process the single-process weights without a full copy on each."""
         with self.engine.init_context():
             yield
-
-    # ---------------------------------------------------------------- prepare
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Accelerate's ``prepare``: models, then optimizers (pointed at the prepared parameters), schedulers and
-        dataloaders, in one call or several."""
-        self._prepared_in_this_call = []
-        try:
-            return super().prepare(*args, device_placement=device_placement)
-        finally:
-            self._prepared_in_this_call = []
-
-    def prepare_model(
-        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
-    ) -> nn.Module:
-        """Applies the layout (tensor parallel, activation checkpointing, FSDP2/HSDP/DDP, pipeline split) through
-        the engine. A plain model under pp becomes the trunk of a pipeline host: run it with :meth:`train_step`."""
-        if any(model is seen for seen in self._prepared) or isinstance(model, PipelineHost):
-            raise RuntimeError(
-                f"{type(model).__name__} has been prepared already; prepare each model once and keep the returned "
-                "object."
-            )
-        trained = self.engine.parallelize(model)
-        self._prepared += [model, trained]
-        self._prepared_in_this_call.append(model)
-        if self.native_amp:  # autocast around the forward, outputs in fp32: Accelerate's own wrapping
-            target = self.engine.module
-            autocast = get_mixed_precision_context_manager(self.native_amp, self.autocast_handler)
-            target._original_forward = target.forward  # type: ignore[assignment]
-            target.forward = convert_outputs_to_fp32(autocast(target.forward))
-        trained._is_accelerate_prepared = True  # type: ignore[assignment]
-        self._models.append(trained)
-        return trained
-
-    def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Optimizer:
-        """``optimizer`` over the parallelized parameters (one built over the model before ``prepare`` is pointed
-        at them by name), wrapped in par3d's ZeRO-1/2 optimizer where configured, and in Accelerate's."""
-        if getattr(optimizer, "_is_accelerate_prepared", False):
-            return optimizer
-        if not self._models:
-            raise RuntimeError(
-                "Prepare the model before (or together with) its optimizer: par3d replaces the model's parameters "
-                "with their shards, and the optimizer must follow them."
-            )
-        if not self._prepared_in_this_call and self.engine.holds_stale_parameters(optimizer):
-            raise ValueError(
-                f"{type(optimizer).__name__} was created over the model's parameters as they were before `prepare`, "
-                "which par3d has replaced with their shards. Create it from the prepared model's parameters "
-                "(`model.parameters()` after `prepare`), or pass it to the same `prepare` call as the model."
-            )
-        [inner] = self.engine.setup_optimizers([optimizer])
-        wrapped = AcceleratedOptimizer(inner, device_placement=False, scaler=self.scaler)
-        self._optimizers.append(wrapped)
-        return wrapped
-
-    def prepare_scheduler(self, scheduler: Any) -> Any:
-        """One scheduler step per optimizer step (Accelerate's default steps it once per process)."""
-        if getattr(scheduler, "_is_accelerate_prepared", False):
-            return scheduler
-        optimizers: Any = self._optimizers
-        for optimizer in self._optimizers:
-            inner = optimizer.optimizer
-            if scheduler.optimizer in (inner, getattr(inner, "wrapped", None)):
-                scheduler.optimizer = inner  # a ZeRO wrapper shares the wrapped optimizer's parameter groups
-                optimizers = optimizer
-        prepared = AcceleratedScheduler(
-            scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer, split_batches=True
-        )
-        self._schedulers.append(prepared)
-        return prepared
-
-    def prepare_data_loader(
-        self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None, **kwargs: Any
-    ) -> Any:
-        """Shards the data over the data-parallel processes only: tensor-parallel and pipeline peers read the same
-        batches."""
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            if data_loader not in self._dataloaders:
-                self._dataloaders.append(data_loader)
-            return data_loader
-        prepared = prepare_data_loader(
-            data_loader,
-            self.device,
-            num_processes=self.engine.dp_size,
-            process_index=self.engine.dp_rank,
-            split_batches=self.split_batches,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(),
-            dispatch_batches=False,
-            even_batches=self.even_batches,
-            use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed,
-            non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader,
-            torch_device_mesh=None,
-        )
-        self._dataloaders.append(prepared)
-        return prepared
 
     # ---------------------------------------------------------------- steps
     def train_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -245,12 +157,8 @@ class Par3DAccelerator(Accelerator):
     def predict_step(self, model: nn.Module, inputs: Any) -> Any:
         """The model's outputs for one batch: under pp on the processes holding the last stage (None on the
         others, whose :meth:`gather_for_metrics` takes the last stage's)."""
-        from lightning_par3d.engine import _pending
-
-        with torch.no_grad(), self.autocast():
-            if self.engine.layout.pp == 1:
-                return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            return self.engine.predict(_pending(inputs))
+        with self.autocast():
+            return self.engine.predict_step(model, inputs)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.engine.layout.pp > 1:
@@ -275,36 +183,14 @@ class Par3DAccelerator(Accelerator):
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
-        params = list(parameters)
-        zero = self.engine.zero_optimizers
-        grads = (
-            optimizer_grads(zero[0]) if zero and zero[0].stage == 2 else [p.grad for p in params if p.grad is not None]
-        )
-        pp_group = self.engine.mesh["pp"].get_group() if self.engine.layout.pp > 1 else None
-        return clip_grads_(grads, float(max_norm), float(norm_type), pp_group)
+        return self.engine.clip_grad_norm_(parameters, float(max_norm), float(norm_type))
 
     # ---------------------------------------------------------------- gathering
     def gather(self, tensor: Any) -> Any:
-        """``tensor`` from every data-parallel process, concatenated on the first dimension, on every process: the
-        data-parallel group only (tensor-parallel peers hold the same samples), and under pp the last stage's
-        values (the other stages may pass anything, e.g. None)."""
-        if self.engine.layout.pp == 1:
-            return self._gather_data_parallel(tensor)
-        runner = self.engine.pipeline
-        assert runner is not None
-        local = _to_cpu(self._gather_data_parallel(tensor)) if runner.holds_last_stage else None
-        return recursively_apply(lambda t: t.to(self.device), runner.broadcast_object_from_last_stage(local))
-
-    def _gather_data_parallel(self, tensor: Any) -> Any:
-        import torch.distributed as dist
-
-        def gathered(t: torch.Tensor) -> torch.Tensor:
-            t = t.reshape(1) if t.dim() == 0 else t
-            parts = [torch.empty_like(t) for _ in range(self.engine.dp_size)]
-            dist.all_gather(parts, t.contiguous(), group=self.engine.dp_group())
-            return torch.cat(parts)
-
-        return recursively_apply(gathered, tensor)
+        """``tensor`` from every data-parallel process, concatenated on the first dimension, on every process
+        (:meth:`Par3DEngine.gather <lightning_par3d.engine.Par3DEngine.gather>`: tensor-parallel peers hold the same
+        samples; under pp the last stage's values, whatever the other stages pass)."""
+        return self.engine.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Accelerate's ``gather_for_metrics`` over the data-parallel processes (every sample once: the padding
@@ -312,75 +198,45 @@ class Par3DAccelerator(Accelerator):
         stages pass (None, typically)."""
         if self.engine.layout.pp == 1:
             return super().gather_for_metrics(input_data, use_gather_object)
-        runner = self.engine.pipeline
-        assert runner is not None
-        if runner.holds_last_stage and (use_gather_object or not _all_tensors(input_data)):
-            import torch.distributed as dist
-
-            parts: list[Any] = [None] * self.engine.dp_size
-            dist.all_gather_object(parts, input_data, group=self.engine.dp_group())
-            local: Any = ("objects", [item for part in parts for item in part])
-        else:
-            local = ("tensors", _to_cpu(self._gather_data_parallel(input_data))) if runner.holds_last_stage else None
-        kind, data = runner.broadcast_object_from_last_stage(local)
-        if kind == "tensors":
-            data = recursively_apply(lambda t: t.to(self.device), data)
+        last = self.engine.holds_last_stage
+        as_objects = bool(
+            self.engine.pipeline.broadcast_object_from_last_stage(  # type: ignore[union-attr]
+                (use_gather_object or not only_tensors(input_data)) if last else None
+            )
+        )
+        data = self.engine.gather(input_data, as_objects=as_objects)
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else 0
         if remainder > 0:
-            return data[:remainder] if kind == "objects" else recursively_apply(lambda t: t[:remainder], data)
+            return data[:remainder] if as_objects else map_tensors(lambda t: t[:remainder], data)
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduces over the data-parallel processes (``"sum"``, ``"mean"``, ``"max"``)."""
         return recursively_apply(lambda t: self.engine.reduce(t * scale, reduction), tensor)
 
-    # ---------------------------------------------------------------- weights and checkpoints
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
-        """The model the script built (out of DDP or the pipeline host)."""
-        module = self.engine.module
-        if isinstance(module, PipelineHost):
-            module = module.trunk
-        if not keep_fp32_wrapper and hasattr(module, "_original_forward"):
-            module.forward = module._original_forward  # type: ignore[assignment]
-        return module
 
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights, unsharded and under their original names, on process 0 (None elsewhere)."""
-        return self.engine.full_state_dict()
-
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Writes the prepared Hugging Face transformers model as a ``save_pretrained`` directory from any layout
-        (weights gathered on process 0, which writes them). Use it instead of ``unwrap_model(model).save_pretrained``:
-        under pipeline parallelism no process holds the whole model. Every process must call it."""
-        return self.engine.save_pretrained(directory)
-
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """Accelerate's state (schedulers, RNG, samplers, registered objects) as Accelerate saves it, and the model
-        and optimizers as one sharded DCP checkpoint (``output_dir/par3d``), loadable at any layout."""
-        models, optimizers = self._models, self._optimizers  # type: ignore[has-type]
-        self._models, self._optimizers = [], []
-        try:
-            location = super().save_state(output_dir, safe_serialization, **kwargs)
-        finally:
-            self._models, self._optimizers = models, optimizers
-        tensors = {"state_dict": self.engine.model_state()}
-        for i, optimizer in enumerate(optimizers):
-            tensors[f"optimizer_{i}"] = self.engine.optimizer_state(optimizer.optimizer)
-        self.engine.save(Path(location) / "par3d", tensors, {"step": self.step})  # type: ignore[has-type]
-        return location
-
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
-        """The counterpart of :meth:`save_state`; the checkpoint may come from another layout."""
-        models, optimizers = self._models, self._optimizers
-        self._models, self._optimizers = [], []
-        try:
-            super().load_state(input_dir, load_kwargs, **kwargs)
-        finally:
-            self._models, self._optimizers = models, optimizers
-        assert input_dir is not None
-        targets = {f"optimizer_{i}": optimizer.optimizer for i, optimizer in enumerate(optimizers)}
-        metadata = self.engine.load(Path(input_dir) / "par3d", targets)
-        self.step = int(metadata.get("step", self.step))  # type: ignore[arg-type, has-type]
+def _checked_accelerate_arguments(kwargs: dict[str, Any]) -> tuple[str, bool]:
+    """Refuses Accelerate's own parallelism plugins and what par3d cannot run; returns ``mixed_precision`` and
+    ``cpu`` (defaulting ``kwargs["cpu"]`` to True on a machine without CUDA)."""
+    foreign = [name for name in _FOREIGN_PLUGINS if kwargs.get(name) is not None]
+    foreign += [name for name in _FOREIGN_ENV if os.environ.get(name, "").lower() in ("1", "true")]
+    if foreign:
+        raise ValueError(
+            f"Par3DAccelerator applies par3d's own parallelism; it cannot run together with {', '.join(foreign)}. "
+            "Remove them (a ParallelismConfig converts with Par3DConfig.from_accelerate(...) or "
+            "Par3DAccelerator(parallelism_config=...))."
+        )
+    mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    mixed = str(mixed.value if hasattr(mixed, "value") else mixed)
+    if mixed not in PRECISIONS:
+        raise ValueError(f"mixed_precision={mixed!r}: Par3DAccelerator supports {', '.join(map(repr, PRECISIONS))}.")
+    cpu = bool(kwargs.setdefault("cpu", not torch.cuda.is_available()))
+    if mixed == "fp16" and cpu:
+        raise ValueError(
+            "mixed_precision='fp16' needs CUDA (Accelerate applies neither autocast nor loss scaling on CPU). "
+            "Use mixed_precision='bf16' on CPU."
+        )
+    return mixed, cpu
 
 
 def _all_tensors(value: Any) -> bool:
@@ -393,6 +249,28 @@ def _all_tensors(value: Any) -> bool:
 
 def _to_cpu(value: Any) -> Any:
     return recursively_apply(lambda t: t.detach().cpu(), value) if value is not None else None
+
+
+_FROM_PARALLELISM_CONFIG = ("dp_replicate", "dp_shard", "tp")
+"""The fields a ``ParallelismConfig`` gives (:meth:`Par3DConfig.from_accelerate`)."""
+
+
+def _config(par3d: Par3DConfig | None, parallelism_config: Any, values: dict[str, Any]) -> Par3DConfig:
+    """The accelerator's config: ``par3d``, or the keyword fields in ``values`` (not both); or ``parallelism_config``
+    converted, with the keyword fields it does not give."""
+    if parallelism_config is None:
+        return config_from("Par3DAccelerator", par3d, values, name="par3d")
+    if par3d is not None:
+        raise TypeError("Pass either par3d= or parallelism_config= to Par3DAccelerator, not both.")
+    settings = field_settings(values)
+    given = [name for name in changed_settings(settings) if name in _FROM_PARALLELISM_CONFIG]
+    if given:
+        raise TypeError(
+            f"parallelism_config= gives dp_replicate, dp_shard and tp (its dp_replicate_size, dp_shard_size and "
+            f"tp_size); got {', '.join(given)} too. Set them in the ParallelismConfig, or drop parallelism_config."
+        )
+    own = {name: value for name, value in settings.items() if name not in _FROM_PARALLELISM_CONFIG}
+    return Par3DConfig.from_accelerate(parallelism_config, **own)
 
 
 def _world_size() -> int:

@@ -8,14 +8,13 @@ parameters::
         model = GPT(config)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
-    loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)   # forward + backward at any layout
+    loss = fabric.strategy.train_step(model, x, y, loss_fn)   # forward + backward at any layout
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,26 +22,28 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.config import Par3DConfig
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.integrations import lightning_shared as shared
-from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.integrations.registration import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
 
 
-class Par3DFabricStrategy(ParallelStrategy):
+class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
     """The Fabric counterpart of :class:`~lightning_par3d.integrations.trainer.Par3DStrategy`; same settings, same
-    engine, same checkpoint layout."""
+    engine, same checkpoint layout: a :class:`~lightning_par3d.config.Par3DConfig`, or its fields as typed keyword
+    arguments."""
+
+    launcher_class = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -54,9 +55,34 @@ class Par3DFabricStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        **settings: Any,
+        # Par3DConfig's fields, typed, with its defaults (None: a fresh empty list or dict); tests/test_lightning_cli.py
+        # keeps them equal to the dataclass.
+        dp_replicate: int = 1,
+        dp_shard: int | str = "auto",
+        zero_stage: int | None = None,
+        dp: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        pipeline_schedule: str = "1f1b",
+        microbatches: int = 4,
+        virtual_stages: int = 1,
+        split_points: list[str] | None = None,
+        tp_plan: Any = None,
+        fsdp_blocks: str | None = None,
+        reshard_after_forward: bool | None = None,
+        activation_checkpointing: str = "none",
+        ac_every: int = 2,
+        ac_blocks: str | None = None,
+        offload: bool = False,
+        grad_compression: str | None = None,
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 2,
+        init: str = "rank0",
+        pretrained_path: str | None = None,
+        seed: int | None = None,
+        timeout_s: float = 1800.0,
     ) -> None:
-        self.engine = shared.engine_for(type(self).__name__, config, settings)
+        self.engine = shared.engine_for(type(self).__name__, config, locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -68,21 +94,8 @@ class Par3DFabricStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._backward_sync_control = _Par3DBackwardSyncControl(self.engine)
 
-    @property
-    def config(self) -> Par3DConfig:
-        return self.engine.config
-
-    @property
-    def layout(self) -> Layout:
-        if self.engine._layout is None:
-            self.engine.precision = precision_name(self.precision)
-            device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-            self.engine.resolve(self.num_nodes * self.num_processes, device_type)
-        return self.engine.layout
-
-    @property
-    def mesh(self) -> Par3DMesh:
-        return self.engine.mesh
+    def _note_precision(self) -> None:
+        self.engine.precision = precision_name(self.precision)
 
     @property
     def num_nodes(self) -> int:
@@ -92,42 +105,11 @@ class Par3DFabricStrategy(ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return self.engine.sampler_kwargs()
-
-    @override
-    def _configure_launcher(self) -> None:
-        _ = self.layout  # validate against the world size, the precision and the devices before any launch
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     @override
     def setup_environment(self) -> None:
-        _ = self.layout
+        _ = self.layout  # raises before the process group exists if the sizes do not fit
         super().setup_environment()
-        reset_seed()
-        shared.set_world_ranks(
-            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
-        )
-        assert self.cluster_environment is not None
-        backend = shared.init_distributed(
-            self.cluster_environment, self.root_device, self._process_group_backend, self.config.timeout_s
-        )
-        self._process_group_backend = backend
-        self.engine.setup(self.root_device, backend)
+        self.start_distributed()
         shared.end_job_on_uncaught_exception(self._launcher, self.engine.describe_failure)
 
     @override
@@ -141,7 +123,7 @@ class Par3DFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Parallelizes ``module``. Under pp > 1 it becomes the trunk of a pipeline host that :meth:`pipeline_step`
+        """Parallelizes ``module``. Under pp > 1 it becomes the trunk of a pipeline host that :meth:`train_step`
         runs through the schedule."""
         trained = self.engine.parallelize(module)
         shared.point_at_device(self.engine.module, self.root_device)
@@ -154,21 +136,26 @@ class Par3DFabricStrategy(ParallelStrategy):
         :class:`~lightning_par3d.zero.optimizer.ZeroOptimizer`."""
         return self.engine.setup_optimizers([optimizer])[0]
 
-    def pipeline_step(
-        self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor], train: bool = True
-    ) -> Tensor:
-        """One batch through the model at any layout, returning its mean loss on every rank.
-
-        ``train=True`` also runs the backward pass: under pp > 1 inside the pipeline schedule (microbatched,
-        gradients accumulated into the parameters), otherwise as ``fabric.backward(loss)``. The script stays the
-        same at every layout: ``loss = fabric.strategy.pipeline_step(model, x, y, loss_fn)``, then the optimizer
-        step as usual.
-        """
-        if not train:
-            with self.precision.forward_context():
-                return self.engine.eval_step(module, inputs, targets, loss_fn)
+    def train_step(self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+        """Forward and backward of one batch at any layout (:meth:`Par3DEngine.train_step
+        <lightning_par3d.engine.Par3DEngine.train_step>`): under pp > 1 inside the pipeline schedule (microbatched,
+        gradients accumulated into the parameters), otherwise ``fabric.backward(loss)``. Returns the batch's mean loss
+        on every rank. The script is the same at every layout: ``loss = fabric.strategy.train_step(model, x, y,
+        loss_fn)``, then the optimizer step as usual. ``inputs``: a tensor, a tuple of arguments or a dict of keyword
+        arguments."""
         with self.precision.forward_context():
             return self.engine.train_step(module, inputs, targets, loss_fn, lambda loss: self.backward(loss, module))
+
+    def eval_step(self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+        """The mean loss of one batch, forward only, at any layout (on every rank)."""
+        with self.precision.forward_context():
+            return self.engine.eval_step(module, inputs, targets, loss_fn)
+
+    def predict_step(self, module: Module, inputs: Any) -> Any:
+        """The model's outputs for one batch, forward only: under pp on the ranks holding the last stage (None on
+        the others)."""
+        with self.precision.forward_context():
+            return self.engine.predict_step(module, inputs)
 
     def sync_metrics(self, *metrics: Module) -> int:
         """Makes torchmetrics metrics (a metric, a ``MetricCollection``, or a module holding them) sync over the
@@ -195,14 +182,6 @@ class Par3DFabricStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        shared.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return shared.broadcast(obj, src)
 
     @override
     def clip_gradients_norm(
@@ -233,17 +212,9 @@ class Par3DFabricStrategy(ParallelStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`/`filter`.")
         key = _model_key(state)
-        tensors: dict[str, Any] = {key: self.engine.model_state()}
-        for name, obj in state.items():
-            if isinstance(obj, Optimizer):
-                tensors[name] = self.engine.optimizer_state(obj)
-        metadata = {name: obj for name, obj in state.items() if name not in tensors}
-        self.engine.save(self.broadcast(str(path)), tensors, metadata)
-
-    def save_pretrained(self, directory: _PATH) -> Path:
-        """Writes the Hugging Face transformers model inside the set-up module as a ``save_pretrained`` directory
-        (see :meth:`Par3DEngine.save_pretrained`): ``fabric.strategy.save_pretrained(path)`` on every rank."""
-        return self.engine.save_pretrained(self.broadcast(str(directory)))
+        optimizers = {name: self.engine.optimizer_state(o) for name, o in state.items() if isinstance(o, Optimizer)}
+        metadata = {name: obj for name, obj in state.items() if name != key and name not in optimizers}
+        self.engine.save(self.broadcast(str(path)), metadata, optimizers, model_key=key)
 
     @override
     def load_checkpoint(
@@ -284,3 +255,6 @@ class _Par3DBackwardSyncControl(_BackwardSyncControl):
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return self.engine.no_sync(enabled)
+
+
+register_fabric_strategy(Par3DFabricStrategy)  # "par3d" in Lightning's registry, whoever imported this module

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.parallel.model_changes import temporarily
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
 
 LossFn = Callable[..., torch.Tensor]
@@ -53,11 +54,8 @@ class LogRelay:
             real_log(module, name, value, *args, **kwargs)
 
         def loss(outputs: Any, targets: Any) -> torch.Tensor:
-            module.__dict__["log"] = log
-            try:
+            with temporarily(module, "log", log):
                 return user_loss(outputs, targets)
-            finally:
-                module.__dict__.pop("log", None)
 
         return loss
 

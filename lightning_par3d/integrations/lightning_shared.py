@@ -1,5 +1,7 @@
-"""What the Lightning Trainer and Fabric strategies share: the default process group through Lightning's cluster
-environment, the world ranks, and the collectives Lightning asks a strategy for."""
+"""What the Lightning Trainer and Fabric strategies share: :class:`LightningFrontEnd` (the engine, the layout from
+Lightning's devices and nodes, the launcher, the default process group through Lightning's cluster environment and
+the mesh, the collectives Lightning asks a strategy for, the transformers export), and the job's end after a
+failure."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import atexit
 import contextlib
 import gc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -19,31 +22,30 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from lightning_par3d.config import Par3DConfig
+from lightning_par3d.config import Layout, Par3DConfig, config_from
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel import groups
+from lightning_par3d.parallel.mesh import Par3DMesh
 
 T = TypeVar("T")
 
 
-def engine_for(owner: str, config: Par3DConfig | None, settings: dict[str, Any]) -> Par3DEngine:
-    """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (not both)."""
-    if config is not None and settings:
-        raise TypeError(
-            f"Pass either a Par3DConfig or its fields to {owner}, not both (got config and "
-            f"{', '.join(sorted(settings))})."
-        )
-    return Par3DEngine(config if config is not None else Par3DConfig(**settings))
+def engine_for(owner: str, config: Par3DConfig | None, values: Mapping[str, Any]) -> Par3DEngine:
+    """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (not both);
+    ``values`` is the strategy's ``locals()`` (see :func:`~lightning_par3d.config.config_from`)."""
+    return Par3DEngine(config_from(owner, config, values))
 
 
 def init_distributed(
     cluster_environment: ClusterEnvironment, device: torch.device, backend: str | None, timeout_s: float
 ) -> str:
-    """Initializes the default process group (if nobody has), giving the ranks at least
-    :data:`~lightning_par3d.parallel.groups.JOIN_TIMEOUT_FLOOR_S` to join, and sets its collective timeout;
-    returns the backend."""
+    """Initializes the default process group through Lightning (its cluster environment sets the address, port and
+    ranks) if nobody has, giving the ranks at least :data:`~lightning_par3d.parallel.groups.JOIN_TIMEOUT_FLOOR_S` to
+    join; returns the backend. :meth:`Par3DEngine.setup <lightning_par3d.engine.Par3DEngine.setup>` then sets the
+    collective timeout, as it does for a group anyone else created."""
     backend = backend or _get_default_process_group_backend_for_device(device)
     _init_dist_connection(
         cluster_environment,
@@ -51,7 +53,6 @@ def init_distributed(
         timeout=groups.join_timeout(timeout_s),
         device_id=device if device.type != "cpu" else None,
     )
-    groups.set_collective_timeout(timeout_s)
     return backend
 
 
@@ -120,15 +121,6 @@ def end_job_on_uncaught_exception(launcher: Any, describe: Callable[[BaseExcepti
     sys.excepthook = hook
 
 
-def barrier(device: torch.device) -> None:
-    if not _distributed_is_initialized():
-        return
-    if torch.distributed.get_backend() == "nccl":
-        torch.distributed.barrier(device_ids=[device.index])
-    else:
-        torch.distributed.barrier()
-
-
 def broadcast(obj: T, src: int = 0) -> T:
     """``obj`` from rank ``src`` on every rank (pickled)."""
     if not _distributed_is_initialized():
@@ -136,3 +128,92 @@ def broadcast(obj: T, src: int = 0) -> T:
     box: list[Any] = [obj]
     torch.distributed.broadcast_object_list(box, src)
     return box[0]
+
+
+class LightningFrontEnd:
+    """Mixed into the Trainer's and Fabric's strategies, before Lightning's ``ParallelStrategy``: the parts of a
+    Lightning strategy that are the same for both, each a translation to :class:`~lightning_par3d.engine.Par3DEngine`.
+    The strategy sets ``engine`` and ``_process_group_backend``, and :attr:`launcher_class` (the Trainer's or
+    Fabric's subprocess launcher). The methods take ``self`` untyped: they use what Lightning's ``ParallelStrategy``
+    (the Trainer's or Fabric's, which differ in their annotations) defines."""
+
+    launcher_class: Any = None
+    engine: Par3DEngine
+    _process_group_backend: str | None
+
+    @property
+    def config(self: Any) -> Par3DConfig:
+        return self.engine.config
+
+    @property
+    def loads_pretrained(self: Any) -> bool:
+        """Whether par3d reads the model's weights from a ``save_pretrained`` directory (``init="pretrained"``):
+        ``configure_model`` then builds the transformers model from its config (``from_config``), not with
+        ``from_pretrained``."""
+        return self.engine.config.init == "pretrained"
+
+    @property
+    def layout(self: Any) -> Layout:
+        """The resolved layout, known once Lightning has set devices and nodes; resolving it runs every check that
+        needs the world size, before any process is launched."""
+        if not self.engine.is_resolved:
+            self._note_precision()
+            device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+            self.engine.resolve(self.num_nodes * self.num_processes, device_type)
+        return self.engine.layout
+
+    def _note_precision(self) -> None:
+        """Tells the engine the precision before the layout is resolved (Fabric; the Trainer does it when Lightning
+        sets its precision plugin)."""
+
+    @property
+    def mesh(self: Any) -> Par3DMesh:
+        return self.engine.mesh
+
+    @property
+    def root_device(self: Any) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self: Any) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self: Any) -> dict[str, Any]:
+        """Data is split over data-parallel ranks only: tensor-parallel and pipeline peers read the same batches."""
+        return self.engine.sampler_kwargs()
+
+    def _configure_launcher(self: Any) -> None:
+        """Lightning's subprocess launcher, on every rank, as Lightning's ``DDPStrategy`` has it: it starts the
+        other local ranks only where the cluster environment does not (never in them, nor under torchrun or
+        SLURM), and in every process it gives torch ``cores // local processes`` threads unless the user set
+        ``OMP_NUM_THREADS``. The layout is validated first, before any process is launched."""
+        _ = self.layout
+        assert self.cluster_environment is not None
+        self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def start_distributed(self: Any) -> None:
+        """This rank's place in the world, the default group (through Lightning's cluster environment, if nobody
+        made it) and the mesh."""
+        assert self.cluster_environment is not None
+        reset_seed()
+        set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes)
+        config = self.engine.config
+        backend = init_distributed(
+            self.cluster_environment, self.root_device, self._process_group_backend, config.timeout_s
+        )
+        self._process_group_backend = backend
+        self.engine.setup(self.root_device, backend)
+
+    def barrier(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.engine.barrier()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return broadcast(obj, src)
+
+    def save_pretrained(self: Any, directory: str | Path) -> Path:
+        """Writes the Hugging Face transformers model inside the module as a ``save_pretrained`` directory (see
+        :meth:`Par3DEngine.save_pretrained <lightning_par3d.engine.Par3DEngine.save_pretrained>`); every rank must
+        call it, as in ``on_train_end``. :class:`~lightning_par3d.callbacks.SavePretrained` does it for you."""
+        return self.engine.save_pretrained(self.broadcast(str(directory)))

@@ -1,9 +1,13 @@
 """The memory estimator: per-rank bytes of a layout, before launch, with no real allocation.
 
 :func:`estimate_memory` builds the model under ``FakeTensorMode`` (tensors with shapes, dtypes and devices, but no
-storage) and, for each pipeline stage, runs par3d's own layout code on it inside a single process over torch's
-fake process group (collectives that move nothing): the stage split, the tensor-parallel plan and activation
-checkpointing are the functions a real run calls. From that it takes
+storage) and, for each pipeline stage, builds and parallelizes it with the run's own functions, in a single process
+over torch's fake process group (collectives that move nothing): the mesh (:meth:`Par3DMesh.build`), the checked
+tensor-parallel plan, the stage split (:func:`~lightning_par3d.parallel.parallelize.plan_pipeline`,
+:func:`~lightning_par3d.parallel.parallelize.build_stage`) and
+:func:`~lightning_par3d.parallel.parallelize.parallelize_part` itself: tensor parallelism, activation checkpointing
+and FSDP2's ``fully_shard`` with the run's mixed-precision policy. A change to the build changes the estimate with
+it. From that it takes
 
 * **model state** from each rank's local parameter shapes through the ZeRO formulas
   (:mod:`lightning_par3d.zero.formula`), for the data-parallel stage, precision and optimizer;
@@ -20,10 +24,12 @@ blocks' inputs, or what ``op`` mode saves); the block that backward recomputes a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,15 +37,14 @@ from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
-from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing, find_ac_blocks
+from lightning_par3d.parallel import parallelize as build
+from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.parallel.parallelize import checked_plan
 from lightning_par3d.parallel.precision import check_precision
-from lightning_par3d.parallel.tensor_parallel import apply_tensor_parallel, expand_plan, find_plan, local_tensor
-from lightning_par3d.pipeline.hf import decoder_layout, install_stage_forward
+from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.runner import torch_schedule
-from lightning_par3d.pipeline.split import plan_stages
 from lightning_par3d.pipeline.trunk import declared_pipeline
+from lightning_par3d.torch_private import fake_mode_paused, fake_tensor_mode
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
 
 _DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
@@ -178,11 +183,10 @@ def estimate_memory(
     if optimizer not in OPTIMIZER_STATE_LAYOUTS:
         raise ValueError(f"optimizer={optimizer!r} is not known. Allowed: {', '.join(OPTIMIZER_STATE_LAYOUTS)}.")
     mesh = Par3DMesh(layout)
-    n_stages = layout.n_stages
     micro = config.microbatches if layout.pp > 1 else 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
-        stages = _measure_stages(module, config, mesh, n_stages, batch, micro, precision, loss_fn)
+        stages = _measure_stages(module, config, layout, batch, micro, precision, loss_fn)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []
     for pp_rank in range(layout.pp):
@@ -226,32 +230,28 @@ class _StageMeasure:
 
 
 @contextmanager
-def _fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """A fake default process group in which this process plays ``rank``."""
+def _fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of torch's fake backend (its collectives move nothing), in which this process plays
+    rank 0 of ``world_size``."""
     import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
 
 
-def _build(module: nn.Module | Callable[[], nn.Module], precision: str, gathered: torch.dtype | None) -> nn.Module:
-    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in the dtype its
-    forward sees the parameters in: bf16 under ``bf16-true``, FSDP2's gathering dtype (``gathered``) under its
-    mixed-precision policy (autocast then makes no copies of them), else the default."""
-    dtype = torch.bfloat16 if precision == "bf16-true" else gathered or torch.get_default_dtype()
+def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
+    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
+    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("cpu"):
             if isinstance(module, nn.Module):
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():  # a plain copy of the (unconfigured) module and whatever it holds
+                with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
                     built = copy.deepcopy(module)
                 configure = getattr(built, "configure_model", None)
                 if callable(configure):
@@ -265,47 +265,30 @@ def _build(module: nn.Module | Callable[[], nn.Module], precision: str, gathered
 def _measure_stages(
     module: nn.Module | Callable[[], nn.Module],
     config: Par3DConfig,
-    mesh: Par3DMesh,
-    n_stages: int,
+    layout: Layout,
     batch: Any,
     micro: int,
     precision: str,
     loss_fn: Callable[..., Tensor] | None,
 ) -> list[_StageMeasure]:
-    """Each pipeline stage (or the whole model) built and run for one microbatch on fake tensors. One fake process
-    group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp coordinate only,
-    and dp_shard rank 0 holds the largest shards."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    layout = mesh.layout
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    """Each pipeline stage (or the whole model) built, parallelized and run for one microbatch on fake tensors.
+    One fake process group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp
+    coordinate only, and dp_shard rank 0 holds the largest shards."""
+    fake = fake_tensor_mode()
     with fake:
         inputs = _fake_batch(batch)
         microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
     carried: Any = microbatch[0]
     results: list[_StageMeasure] = []
-    with _fake_rank(0, layout.world_size):
-        device_mesh = _device_mesh(layout)  # a real (CPU) mesh tensor, outside the fake mode
-        for stage in range(n_stages):
-            with fake:
-                built = _build(module, precision, _gathered_dtype(mesh, precision))
-                if layout.pp > 1:
-                    part, root, run = _pipeline_stage(built, config, layout, stage, carried, microbatch)
-                else:
-                    part, root, run = built, built, _whole_step(built, microbatch, loss_fn)
-                with _autocast(precision):
-                    result = _measure(part, root, config, device_mesh, run)
+    with _fake_world(layout.world_size):
+        # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
+        mesh = Par3DMesh.build(layout, "cpu", "fake", timedelta(minutes=30))
+        for stage in range(layout.n_stages):
+            part = _Part(module, config, mesh, stage, precision, fake)
+            result = part.measure(carried, microbatch, loss_fn)
             carried = result.output
             results.append(result)
     return results
-
-
-def _gathered_dtype(mesh: Par3DMesh, precision: str) -> torch.dtype | None:
-    """The dtype FSDP2's mixed-precision policy gathers parameters in, where FSDP2 serves this layout."""
-    from lightning_par3d.parallel.precision import fsdp_mixed_precision
-
-    policy = fsdp_mixed_precision(precision) if mesh.layout.data_parallel == "fsdp" else None
-    return policy.param_dtype if policy is not None else None
 
 
 def _autocast(precision: str) -> Any:
@@ -316,12 +299,80 @@ def _autocast(precision: str) -> Any:
     return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
 
 
-def _device_mesh(layout: Layout) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
+@dataclass
+class _Part:
+    """Pipeline stage ``stage`` of the model (the whole model without pipelining), as a run builds it."""
 
-    from lightning_par3d.parallel.mesh import DIM_NAMES
+    module: nn.Module | Callable[[], nn.Module]
+    config: Par3DConfig
+    mesh: Par3DMesh
+    stage: int
+    precision: str
+    fake: Any
 
-    return init_device_mesh("cpu", layout.shape, mesh_dim_names=DIM_NAMES)
+    def measure(self, carried: Any, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> _StageMeasure:
+        """The part's model-state shapes, and the bytes one microbatch's forward saves for backward. Under full or
+        selective checkpointing, a first build without checkpointing measures each block's own activations (what
+        backward recomputes at a time)."""
+        recompute = 0
+        if self.config.activation_checkpointing in ("full", "selective"):
+            plain = dataclasses.replace(self.config, activation_checkpointing="none")
+            sizes: list[int] = []
+            meter = SavedTensorMeter()
+            with self.fake:
+                part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn)
+                hooks = _block_meters(blocks, meter, sizes)
+                with _autocast(self.precision), meter:
+                    run()
+                for hook in hooks:
+                    hook.remove()
+            recompute = max(sizes, default=0)
+        meter = SavedTensorMeter()
+        with self.fake:
+            part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn)
+            shapes = _tp_local_shapes(part)
+            with _autocast(self.precision), meter:
+                output = run()
+        detached = output.detach() if isinstance(output, Tensor) else None
+        return _StageMeasure(shapes, meter.peak, recompute, detached)
+
+    def _parallelized(
+        self, config: Par3DConfig, carried: Any, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None
+    ) -> tuple[nn.Module, list[nn.Module], Callable[[], Any]]:
+        """A fresh build of the part, parallelized by the run's own functions; its checkpointing blocks (found
+        before FSDP2 renames their classes); and its forward on one microbatch (with the loss, on the last
+        stage).
+
+        :func:`~lightning_par3d.parallel.parallelize.parallelize_part` runs with the fake mode paused: FSDP2 builds
+        a ``DeviceMesh`` for a parameter that is already a tp DTensor, and a mesh computes its coordinates with
+        ``nonzero()``, which the fake mode refuses (its output shape depends on data). The model's tensors stay
+        fake all the same: every op on them dispatches to their own fake mode."""
+        layout = self.mesh.layout
+        root = _build(self.module, self.precision)
+        fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
+        if layout.pp == 1:
+            blocks = find_ac_blocks(root, config.ac_blocks)
+            with fake_mode_paused():
+                build.parallelize_part(
+                    root, self.mesh, config, self.precision, fqn_styles, build.fsdp_blocks(root, config, layout)
+                )
+            return root, blocks, _whole_step(root, microbatch, loss_fn)
+        spec = declared_pipeline(root)
+        plan = build.plan_pipeline(root, spec, config, layout)
+        part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages)
+        blocks = find_ac_blocks(part, config.ac_blocks)
+        with fake_mode_paused():
+            build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
+        inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)
+        last = self.stage == layout.n_stages - 1
+
+        def run() -> Any:
+            output = part(inputs)
+            if last:
+                getattr(root, spec.loss)(output, *microbatch[1:])
+            return output
+
+        return part, blocks, run
 
 
 def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:
@@ -334,57 +385,6 @@ def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[...,
     return lambda: step(tuple(microbatch), 0)
 
 
-def _pipeline_stage(
-    module: nn.Module, config: Par3DConfig, layout: Layout, stage: int, carried: Any, microbatch: list[Any]
-) -> tuple[nn.Module, nn.Module, Callable[[], Any]]:
-    """Pipeline stage ``stage`` of the LightningModule's trunk, split as a run splits it, and its forward on the
-    previous stage's output (the loss too on the last stage)."""
-    spec = declared_pipeline(module)
-    trunk = getattr(module, spec.trunk)
-    where = f"{type(module).__name__}.{spec.trunk}"
-    plan = plan_stages(trunk, layout.pp, layout.stages_per_rank, config.split_points, where)
-    part = plan.build(trunk, stage)
-    decoder = decoder_layout(trunk)
-    if decoder is not None:  # a transformers decoder: the stage runs its own part of the forward, as in a run
-        layers = [int(name.rsplit(".", 1)[1]) for name in plan.blocks[stage]]
-        install_stage_forward(part, decoder, layers, stage == 0, stage == layout.n_stages - 1)
-    inputs = carried if stage == 0 else torch.empty_like(carried, requires_grad=True)
-
-    def run() -> Any:
-        output = part(inputs)
-        if stage == layout.n_stages - 1:
-            getattr(module, spec.loss)(output, *microbatch[1:])
-        return output
-
-    return part, module, run
-
-
-def _measure(
-    part: nn.Module, root: nn.Module, config: Par3DConfig, device_mesh: Any, run: Callable[[], Any]
-) -> _StageMeasure:
-    """Tensor parallelism on ``part`` as a run applies it; then the bytes saved for backward by ``run``, first
-    without checkpointing (block by block, for the recomputation peak) and then with it."""
-    if device_mesh["tp"].size() > 1:
-        checked_plan(root, config, device_mesh["tp"].size())  # the run's checks and messages: no plan, bad patterns
-        plan = find_plan(root, config.tp_plan)
-        apply_tensor_parallel(part, device_mesh["tp"], expand_plan(part, plan, allow_missing=True))
-    shapes = _local_shapes(part)
-    meter = SavedTensorMeter()
-    per_block: list[int] = []
-    if config.activation_checkpointing in ("full", "selective"):
-        hooks = _block_meters(find_ac_blocks(part, config.ac_blocks), meter, per_block)
-        with meter:
-            run()
-        for hook in hooks:
-            hook.remove()
-        meter = SavedTensorMeter()
-    apply_activation_checkpointing(part, config.activation_checkpointing, config.ac_blocks, config.ac_every)
-    with meter:
-        output = run()
-    detached = output.detach() if isinstance(output, Tensor) else None
-    return _StageMeasure(shapes, meter.peak, max(per_block, default=0), detached)
-
-
 def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[int]) -> list[Any]:
     """Hooks that record, per block, the bytes its forward saves for backward."""
     hooks = []
@@ -395,8 +395,23 @@ def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[
     return hooks
 
 
-def _local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
-    return [tuple(local_tensor(p).shape) for p in module.parameters()]
+def _tp_local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
+    """Each parameter's shape on tp rank 0 before data parallelism cuts it: what the ZeRO formulas take. A
+    parameter FSDP2 has sharded is redistributed to its tensor-parallel placements only (a fake all-gather over its
+    data-parallel mesh dimensions); the ZeRO formulas then cut it as FSDP2 does."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shapes = []
+    with torch.no_grad():
+        for param in module.parameters():
+            local: Tensor = param
+            if isinstance(param, DTensor):
+                names = param.device_mesh.mesh_dim_names or ()
+                kept = [p if name == "tp" else Replicate() for name, p in zip(names, param.placements, strict=True)]
+                if tuple(kept) != tuple(param.placements):
+                    local = param.redistribute(param.device_mesh, kept)
+            shapes.append(tuple(local_tensor(local).shape))
+    return shapes
 
 
 # ---------------------------------------------------------------- schedule
@@ -406,7 +421,7 @@ def _pipeline_order(layout: Layout) -> dict[int, list[Any]]:
     """torch's action list per pipeline rank for the layout's schedule (built over a fake pp group)."""
     from torch.distributed.pipelining import PipelineStage
 
-    with _fake_rank(0, layout.pp):
+    with _fake_world(layout.pp):
         stages = [
             PipelineStage(nn.Identity(), i, layout.n_stages, torch.device("cpu")) for i in layout.stage_indices(0)
         ]

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lightning_par3d.parallel.activation_checkpoint import CACHE_OBSERVERS
 from lightning_par3d.parallel.tensor_parallel import local_tensor
+from lightning_par3d.torch_private import view_base
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import zero_optimizers
 
@@ -134,7 +135,8 @@ class SavedTensorMeter:
 
 def _is_parameter(t: Tensor) -> bool:
     """A parameter, or a view of one (``weight.t()`` that a linear layer saves)."""
-    base = t._base if t._base is not None else t
+    base = view_base(t)
+    base = t if base is None else base
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 

@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from lightning_par3d.config import AC_MODES
+from lightning_par3d.parallel.model_changes import set_attribute, swap_class
 from lightning_par3d.patterns import find_modules, repeated_members
+from lightning_par3d.torch_private import functional_collective_ops
 
 CACHE_OBSERVERS: list[Callable[[list[Any]], None]] = []
 """Called with the outputs that ``op`` mode caches for backward, as they are cached (outside autograd's saved
@@ -47,7 +49,7 @@ def _save_list() -> set[Any]:
     ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    c10d = torch.ops._c10d_functional
+    c10d = functional_collective_ops()
     for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single"):
         if hasattr(c10d, name):
             ops.add(getattr(c10d, name).default)
@@ -116,12 +118,5 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, target: str | N
 def checkpoint_module(block: nn.Module, op_level: bool = False) -> None:
     """Makes ``block``'s forward run under activation checkpointing (``op_level``: selective, per op), keeping
     the block the same object under the same name."""
-    if not isinstance(block, _Checkpointed):
-        base = type(block)
-        if base not in _CHECKPOINTED_CLASSES:
-            _CHECKPOINTED_CLASSES[base] = type(f"Checkpointed{base.__name__}", (_Checkpointed, base), {})
-        block.__class__ = _CHECKPOINTED_CLASSES[base]
-    object.__setattr__(block, "_par3d_ac_op_level", op_level)
-
-
-_CHECKPOINTED_CLASSES: dict[type, type] = {}
+    swap_class(block, _Checkpointed, "Checkpointed")
+    set_attribute(block, "_par3d_ac_op_level", op_level)

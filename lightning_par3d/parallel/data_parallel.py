@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par3d.parallel.compression import Compression
-from lightning_par3d.parallel.interleaved import fsdp_shard_placement
+from lightning_par3d.parallel.packed_shards import fsdp_shard_placement
 from lightning_par3d.patterns import find_modules, repeated_members
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def shard_data_parallel(
     Run it after tensor parallelism and on the meta device: FSDP2 shards the (possibly DTensor) parameters over the
     data-parallel mesh without moving data. ``mp_policy`` sets the dtype of the gathered parameters and of the
     gradient reduction; ``offload_policy`` keeps the shards in CPU memory. A packed projection's interleaved
-    shards are sharded on another dim (:func:`~lightning_par3d.parallel.interleaved.fsdp_shard_placement`).
+    shards are sharded on another dim (:func:`~lightning_par3d.parallel.packed_shards.fsdp_shard_placement`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 

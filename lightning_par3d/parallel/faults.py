@@ -13,6 +13,8 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+from lightning_par3d.torch_private import default_store
+
 FIRST_FAILURE = "par3d/first_failure"
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
 """Words (lower case) of the errors a collective raises when another rank stalled or died."""
@@ -26,7 +28,7 @@ def _store() -> Any:
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (RuntimeError, ValueError):
         return None
 

@@ -2,9 +2,9 @@
 
 Under par3d the gradients are DTensors on different meshes: a tensor-parallel weight lives on ``(dp, tp)``, a
 replicated norm weight on ``dp`` only. ``torch.nn.utils.clip_grad_norm_`` cannot stack norms from different meshes,
-so the norm is taken per (mesh, placements) group with ``get_total_norm``, each group's DTensor norm is reduced to
-a plain tensor over the mesh dimensions it is partial on (one all-reduce per dimension, as DTensor's own
-``full_tensor()`` does), and the groups' norms are combined; under pipelining, the pipeline ranks' norms are then
+so the norm is taken per (mesh, placements) group: ``get_total_norm`` over the group's local shards, reduced to a
+plain tensor over the mesh dimensions a member's norm is partial on (one all-reduce per dimension, as DTensor's
+own ``full_tensor()`` does), and the groups' norms are combined; under pipelining, the pipeline ranks' norms are then
 combined over the pp group. The result is the norm of the whole model's gradient, identical on every rank and equal
 to what a single process computes.
 """
@@ -42,37 +42,42 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, pp_gr
 
 
 def _local_total_norm(grads: Iterable[torch.Tensor], norm_type: float) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     groups: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:
         groups.setdefault(_group_key(grad), []).append(grad)
     if not groups:
         return torch.tensor(0.0)
-    norms = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm(members, norm_type=norm_type)
-        norms.append(_full_norm(norm, norm_type) if isinstance(norm, DTensor) else norm)
+    norms = [
+        _group_norm(members, norm_type) if key is not None else _plain_norm(members, norm_type)
+        for key, members in groups.items()
+    ]
     device = norms[0].device
-    return torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type=norm_type)
+    return _plain_norm([n.to(device) for n in norms], norm_type)
 
 
-def _full_norm(norm: Any, norm_type: float) -> torch.Tensor:
-    """A DTensor norm (partial over some mesh dimensions, each rank holding the norm of its shards) as a plain
-    tensor: the same all-reduces as ``norm.full_tensor()``, one per partial dimension, done here because DTensor
-    warns on every call over two partial dimensions (it would rather have them flattened into one group, which
-    would cost a process group per pair of dimensions)."""
+def _plain_norm(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm(tensors, norm_type=norm_type)
+
+
+def _group_norm(members: list[Any], norm_type: float) -> torch.Tensor:
+    """The norm of DTensors that share a mesh and placements, as a plain tensor. Each rank takes the norm of its
+    local shards (torch's ``get_total_norm``, foreach where the device has it), then the ranks' norms are combined
+    over the mesh dimensions on which one tensor's norm is partial (those it is sharded on, as DTensor's own norm
+    says). Stacking the per-tensor DTensor norms instead, as ``get_total_norm`` would, makes DTensor redistribute
+    them, and it warns on every rank about "sequential all_reduce operations" over two partial dimensions."""
     import torch.distributed as dist
 
-    local = norm.to_local().clone()
-    dims = [i for i, placement in enumerate(norm.placements) if placement.is_partial()]
+    partial = torch.linalg.vector_norm(members[0], norm_type)  # DTensor's placements of one member's norm
+    dims = [i for i, placement in enumerate(partial.placements) if placement.is_partial()]
+    local = _plain_norm([m.to_local() for m in members], norm_type)
+    mesh = members[0].device_mesh
     if norm_type == float("inf"):
         for dim in dims:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=norm.device_mesh.get_group(dim))
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         return local
     powered = local**norm_type
     for dim in dims:
-        dist.all_reduce(powered, group=norm.device_mesh.get_group(dim))
+        dist.all_reduce(powered, group=mesh.get_group(dim))
     return powered ** (1.0 / norm_type)
 
 

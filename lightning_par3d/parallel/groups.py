@@ -24,6 +24,7 @@ import torch
 
 from lightning_par3d.config import Layout
 from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.torch_private import default_store, set_default_group_timeout
 
 JOIN_TIMEOUT_FLOOR_S = 300.0
 """The least time the processes get to find each other when the default group is created. Joining waits for every
@@ -43,7 +44,9 @@ def default_backend(device: torch.device) -> str:
 
 def init_default_group(device: torch.device, timeout_s: float, backend: str | None = None) -> str:
     """Initializes the default process group from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``, as torchrun sets them) if nobody has, with the collective timeout; returns its backend."""
+    ``MASTER_PORT``, as torchrun sets them) if nobody has, giving the ranks :func:`join_timeout` to join; returns
+    its backend. The engine's ``setup`` then sets the collective timeout (:func:`set_collective_timeout`), for this
+    group as for one Lightning or Accelerate created."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -53,7 +56,6 @@ def init_default_group(device: torch.device, timeout_s: float, backend: str | No
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(backend, timeout=join_timeout(timeout_s), **kwargs)
-    set_collective_timeout(timeout_s)
     return backend
 
 
@@ -67,18 +69,15 @@ def set_collective_timeout(timeout_s: float) -> None:
     """Gives the default group's collectives, and its key-value store, ``timeout_s``, whoever created the group
     (Lightning, Accelerate, torchrun's user): a collective or a store call (creating sub-groups, par3d's step
     notes) that waits longer raises on the ranks that wait, and par3d ends the job."""
-    import torch.distributed as dist
-
     timeout = timedelta(seconds=timeout_s)
-    dist.distributed_c10d._set_pg_timeout(timeout)
-    store = dist.distributed_c10d._get_default_store()
-    store.set_timeout(timeout)
+    set_default_group_timeout(timeout)
+    default_store().set_timeout(timeout)
 
 
 def _forget_if_world_changed() -> None:
     import torch.distributed as dist
 
-    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    world = dist.group.WORLD if dist.is_initialized() else None
     if world is not _WORLD[0]:
         for mesh in _MESHES.values():
             mesh.destroyed = True  # its groups went with the old default group
@@ -99,12 +98,6 @@ def acquire_mesh(layout: Layout, device: torch.device, backend: str, timeout_s: 
         # The same groups; the layout's other facts (ZeRO, schedule) are this run's.
         mesh = Par3DMesh(layout, mesh.device_mesh, mesh._dp_mesh)
     return mesh
-
-
-def live_meshes() -> list[Par3DMesh]:
-    """The meshes this process holds now."""
-    _forget_if_world_changed()
-    return list(_MESHES.values())
 
 
 def destroy_meshes() -> int:

@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_par3d.torch_private import strided_shard
+
 
 class _CopyToRanks(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the group (the input fed every rank's partial result)."""
@@ -97,7 +99,6 @@ class PackedLinear(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor import Replicate, distribute_tensor
-        from torch.distributed.tensor.placement_types import _StridedShard
 
         if not isinstance(module, nn.Linear):
             raise ValueError(f"packed styles apply to nn.Linear; got {type(module).__name__}.")
@@ -105,7 +106,7 @@ class PackedLinear(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             split = self.dim == 0 or param.dim() > 1  # a rowwise bias is added whole, after the sum
             placement = (
-                _StridedShard(self.dim if param.dim() > 1 else 0, split_factor=self.pack) if split else Replicate()
+                strided_shard()(self.dim if param.dim() > 1 else 0, split_factor=self.pack) if split else Replicate()
             )
             shard = distribute_tensor(param, device_mesh, [placement], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))

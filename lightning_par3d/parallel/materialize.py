@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.interleaved import is_interleaved, scatter_from_rank0
+from lightning_par3d.parallel.packed_shards import is_packed_shard, scatter_from_rank0
 from lightning_par3d.parallel.ties import retie, tied_groups
 
 
@@ -131,8 +131,8 @@ def _load_from_rank0(module: nn.Module, state: BuildState, strict: bool = True) 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     # Interleaved shards (packed projections) are scattered by distribute_tensor, which knows their layout; DCP's
-    # broadcast would give each rank a contiguous block (lightning_par3d.parallel.interleaved).
-    interleaved = {name: p for name, p in module.named_parameters() if is_interleaved(p)}
+    # broadcast would give each rank a contiguous block (lightning_par3d.parallel.packed_shards).
+    interleaved = {name: p for name, p in module.named_parameters() if is_packed_shard(p)}
     full: dict[str, Any] = {k: v for k, v in state.state_dict.items() if k not in interleaved}
     # strict=False under pipelining: each rank holds only its stages' entries of rank 0's full state dict.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and not interleaved)

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from lightning_par3d.config import Layout
+from lightning_par3d.torch_private import flatten_mesh, nccl_options
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -44,7 +45,8 @@ class Par3DMesh:
         self.layout = layout
         self._device_mesh = device_mesh
         self._dp_mesh = dp_mesh
-        """The flattened ``dp`` mesh as ``_flatten`` returned it (slicing it from the root is deprecated)."""
+        """The flattened ``dp`` mesh as :func:`~lightning_par3d.torch_private.flatten_mesh` returned it (slicing it from
+        the root is deprecated)."""
         self.destroyed = False
 
     @property
@@ -85,16 +87,6 @@ class Par3DMesh:
         mine = self.coords(rank)
         return [r for r in range(self.layout.world_size) if self._same_except(self.coords(r), mine, free)]
 
-    def next_pp_rank(self, rank: int) -> int:
-        """The rank that holds the next pipeline stage (wraps from the last stage to the first)."""
-        c = self.coords(rank)
-        return self.rank_of(Coords((c.pp + 1) % self.layout.pp, c.dp_replicate, c.dp_shard, c.tp))
-
-    def prev_pp_rank(self, rank: int) -> int:
-        """The rank that holds the previous pipeline stage (wraps from the first stage to the last)."""
-        c = self.coords(rank)
-        return self.rank_of(Coords((c.pp - 1) % self.layout.pp, c.dp_replicate, c.dp_shard, c.tp))
-
     @property
     def device_mesh(self) -> DeviceMesh:
         if self.destroyed:
@@ -128,7 +120,7 @@ class Par3DMesh:
         options = _backend_options(backend, timeout)
         override: Any = {name: (backend, options) for name in DIM_NAMES} if options is not None else None
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=DIM_NAMES, backend_override=override)
-        dp = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=(backend, options) if options else None)
+        dp = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", (backend, options) if options else None)
         return cls(layout, mesh, dp)
 
     def process_groups(self) -> list[Any]:
@@ -137,7 +129,8 @@ class Par3DMesh:
             return []
         mesh = self._device_mesh
         groups = [mesh.get_group(name) for name in DIM_NAMES]
-        groups += [flat.get_group() for flat in getattr(mesh, "_flatten_mapping", {}).values()]
+        if self._dp_mesh is not None:
+            groups.append(self._dp_mesh.get_group())
         unique: list[Any] = []
         for group in groups:
             if all(group is not seen for seen in unique):
@@ -155,9 +148,8 @@ class Par3DMesh:
         self.destroyed = True
         if not dist.is_initialized():
             return  # the world is gone, and every group with it
-        default = dist.distributed_c10d._get_default_group()
         for group in groups:
-            if group is not default and group in dist.distributed_c10d._world.pg_map:
+            if group is not dist.group.WORLD and _is_live(group):
                 dist.destroy_process_group(group)
 
     def _check_rank(self, rank: int) -> None:
@@ -169,15 +161,25 @@ class Par3DMesh:
         return all(getattr(a, n) == getattr(b, n) for n in DIM_NAMES if n not in free)
 
 
+def _is_live(group: Any) -> bool:
+    """Whether ``group`` is still registered (not destroyed yet, by another mesh object over the same groups):
+    ``get_backend`` refuses a group the world no longer knows."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_backend(group)
+    except ValueError:
+        return False
+    return True
+
+
 def _backend_options(backend: str, timeout: timedelta) -> Any:
     """Process-group options that carry ``timeout`` to the mesh's sub-groups (they default to 30 minutes)."""
     import torch.distributed as dist
 
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    elif backend == "nccl" and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return options
+        # At run time this is Backend.Options(backend, timeout); torch's stub describes gloo's private _Options.
+        return dist.ProcessGroupGloo.Options(backend, timeout)  # type: ignore[call-arg]
+    if backend == "nccl" and dist.is_nccl_available():
+        return nccl_options(timeout)
+    return None

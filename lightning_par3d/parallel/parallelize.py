@@ -46,7 +46,7 @@ from lightning_par3d.parallel.tensor_parallel import (
 from lightning_par3d.parallel.ties import retie, tied_groups
 from lightning_par3d.pipeline.hf import check_pipelinable, decoder_layout, install_stage_forward
 from lightning_par3d.pipeline.runner import PipelineRunner, build_runner
-from lightning_par3d.pipeline.split import StagePlan, empty_holder, plan_stages
+from lightning_par3d.pipeline.split import NotOnThisStage, StagePlan, empty_holder, plan_stages
 from lightning_par3d.pipeline.trunk import check_only_trunk_has_parameters, declared_pipeline, install_trunk
 
 if TYPE_CHECKING:
@@ -73,10 +73,10 @@ class ParallelizeReport:
 
 
 @dataclass
-class Parallelized:
+class ParallelizeResult:
     """What :func:`parallelize` returns: the module to train, the pipeline runner under pp, and the report."""
 
-    trained: nn.Module
+    forward_module: nn.Module
     """The module itself (parallelized in place), or, for pure replication, ``DistributedDataParallel`` over it."""
     pipeline: PipelineRunner | None
     spec: PipelineSpec | None
@@ -85,7 +85,7 @@ class Parallelized:
 
 def parallelize(
     module: nn.Module, mesh: Par3DMesh, config: Par3DConfig, device: torch.device, precision: str = "32-true"
-) -> Parallelized:
+) -> ParallelizeResult:
     """Applies pipeline, tensor and data parallelism to ``module`` in place and materializes it on ``device``.
 
     ``precision`` (Lightning's ``precision=`` names) sets FSDP2's mixed-precision policy. Every rank must call it:
@@ -96,8 +96,8 @@ def parallelize(
     layout = mesh.layout
     fqn_styles = checked_plan(module, config, layout.tp)
     spec = declared_pipeline(module) if layout.pp > 1 else None
-    stage_plan = _plan_pipeline(module, spec, config, layout) if spec is not None else None
-    blocks = find_blocks(module, config.fsdp_blocks) if spec is None and layout.dp_shard > 1 else []
+    stage_plan = plan_pipeline(module, spec, config, layout) if spec is not None else None
+    blocks = fsdp_blocks(module, config, layout) if spec is None else []
 
     metrics = detach_metrics(module)  # torchmetrics states would not survive meta and to_empty
     metric_shots = _rank0_metric_states(metrics)
@@ -108,7 +108,7 @@ def parallelize(
         stage_modules: list[nn.Module] = []
         n_blocks = len(blocks)
     else:
-        stage_modules, checkpointed = _parallelize_stages(module, spec, stage_plan, mesh, config, precision)
+        stage_modules, checkpointed = _parallelize_stages(module, spec, stage_plan, mesh, config, precision, fqn_styles)
         n_blocks = sum(len(stage_plan.blocks[i]) for i in layout.stage_indices(mesh.coords(dist.get_rank()).pp))
     source = "rank0" if from_rank0 else ("none" if config.init == "pretrained" else "reset")
     _materialize(module, device, state, source, config.offload, strict=spec is None)
@@ -126,10 +126,10 @@ def parallelize(
         activation_checkpointing=_describe_ac(config, checkpointed),
     )
     runner = build_runner(stage_modules, mesh, device) if stage_modules else None
-    trained = (
+    forward_module = (
         replicate_with_ddp(module, mesh, device, _compression(config)) if layout.data_parallel == "ddp" else module
     )
-    return Parallelized(trained, runner, spec, report)
+    return ParallelizeResult(forward_module, runner, spec, report)
 
 
 def parallelize_part(
@@ -141,7 +141,9 @@ def parallelize_part(
     blocks: list[nn.Module],
 ) -> int:
     """Tensor parallel → activation checkpointing → FSDP2 (per block, then ``part`` as the root), on the meta
-    device; returns how many blocks are checkpointed. The same function serves the whole model and each stage."""
+    device; returns how many blocks are checkpointed. The same function serves the whole model and each stage, and
+    the memory estimator (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over torch's fake
+    process group, so that its estimate is of this very build."""
     ties = tied_groups(part) if fqn_styles else []
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
@@ -152,7 +154,14 @@ def parallelize_part(
     return checkpointed
 
 
-def _plan_pipeline(module: nn.Module, spec: PipelineSpec, config: Par3DConfig, layout: Layout) -> StagePlan:
+def fsdp_blocks(module: nn.Module, config: Par3DConfig, layout: Layout) -> list[nn.Module]:
+    """The blocks of the whole model that FSDP2 wraps one by one before the root (none unless dp_shard > 1)."""
+    return find_blocks(module, config.fsdp_blocks) if layout.dp_shard > 1 else []
+
+
+def plan_pipeline(module: nn.Module, spec: PipelineSpec, config: Par3DConfig, layout: Layout) -> StagePlan:
+    """Which blocks each pipeline stage owns, after checking that only the trunk holds parameters and that the
+    trunk can be pipelined."""
     check_only_trunk_has_parameters(module, spec.trunk)
     trunk = getattr(module, spec.trunk)
     check_pipelinable(trunk)
@@ -161,32 +170,75 @@ def _plan_pipeline(module: nn.Module, spec: PipelineSpec, config: Par3DConfig, l
 
 
 def _parallelize_stages(
-    module: nn.Module, spec: PipelineSpec, plan: StagePlan, mesh: Par3DMesh, config: Par3DConfig, precision: str
+    module: nn.Module,
+    spec: PipelineSpec,
+    plan: StagePlan,
+    mesh: Par3DMesh,
+    config: Par3DConfig,
+    precision: str,
+    fqn_styles: dict[str, str],
 ) -> tuple[list[nn.Module], int]:
-    """This rank's stages, each parallelized by :func:`parallelize_part` and grafted back into the (emptied) trunk
-    object at their original names."""
+    """This rank's stages, each parallelized by :func:`parallelize_part` with its share of the whole model's plan
+    (``fqn_styles``, full names in ``module``) and grafted back into the (emptied) trunk object at their original
+    names."""
     import torch.distributed as dist
 
     layout = mesh.layout
     trunk = getattr(module, spec.trunk)  # on meta by now
-    model_plan = find_plan(module, config.tp_plan) if layout.tp > 1 else {}
     indices = layout.stage_indices(mesh.coords(dist.get_rank()).pp)
-    decoder = decoder_layout(trunk)
     stages, checkpointed = [], 0
     for index in indices:
-        stage = plan.build(trunk, index)
-        if decoder is not None:  # a transformers decoder: the stage runs its own part of the model's forward
-            layer_numbers = [int(name.rsplit(".", 1)[1]) for name in plan.blocks[index]]
-            install_stage_forward(stage, decoder, layer_numbers, index == 0, index == layout.n_stages - 1)
-        styles = expand_plan(stage, model_plan, allow_missing=True) if model_plan else {}
-        blocks = [stage.get_submodule(name) for name in plan.blocks[index]] if layout.dp_shard > 1 else []
-        checkpointed += parallelize_part(stage, mesh, config, precision, styles, blocks)
+        stage = build_stage(trunk, plan, index, layout.n_stages)
+        checkpointed += parallelize_stage(stage, plan, index, mesh, config, precision, fqn_styles, spec.trunk)
         stages.append(stage)
     holder = empty_holder(trunk, plan.parts)  # the trunk object itself, now holding nothing
     for index, stage in zip(indices, stages, strict=True):
         plan.graft(holder, stage, index)
     install_trunk(module, spec.trunk, holder)
     return stages, checkpointed
+
+
+def build_stage(trunk: nn.Module, plan: StagePlan, index: int, n_stages: int) -> nn.Module:
+    """Stage ``index`` of ``trunk``: a deep copy that keeps only what the stage owns (:meth:`StagePlan.build`),
+    and, for a transformers decoder, runs its own part of the model's forward."""
+    stage = plan.build(trunk, index)
+    decoder = decoder_layout(trunk)
+    if decoder is not None:
+        layer_numbers = [int(name.rsplit(".", 1)[1]) for name in plan.blocks[index]]
+        install_stage_forward(stage, decoder, layer_numbers, index == 0, index == n_stages - 1)
+    return stage
+
+
+def parallelize_stage(
+    stage: nn.Module,
+    plan: StagePlan,
+    index: int,
+    mesh: Par3DMesh,
+    config: Par3DConfig,
+    precision: str,
+    fqn_styles: dict[str, str],
+    trunk_attr: str,
+) -> int:
+    """:func:`parallelize_part` on stage ``index`` (built by :func:`build_stage`), with its share of the whole
+    model's plan and its blocks as FSDP2's units; returns how many blocks are checkpointed."""
+    styles = stage_styles(fqn_styles, stage, trunk_attr)
+    blocks = [stage.get_submodule(name) for name in plan.blocks[index]] if mesh.layout.dp_shard > 1 else []
+    return parallelize_part(stage, mesh, config, precision, styles, blocks)
+
+
+def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) -> dict[str, str]:
+    """The entries of the whole model's plan (``fqn_styles``, full names in the LightningModule, as
+    :func:`checked_plan` expands them) whose module is on ``stage``, by their names within the stage.
+
+    A module another stage holds is absent from ``stage`` or a parameterless :class:`NotOnThisStage` placeholder;
+    its entry is skipped here (the LM head's on the first stage, the embedding's on the last), never applied to the
+    placeholder. A pattern that matches nothing on any stage was already refused by :func:`checked_plan`."""
+    prefix = f"{trunk_attr}."
+    return {
+        name: fqn_styles[prefix + name]
+        for name, sub in stage.named_modules()
+        if name and prefix + name in fqn_styles and not isinstance(sub, NotOnThisStage)
+    }
 
 
 def _fsdp_policies(config: Par3DConfig, precision: str) -> dict[str, Any]:
@@ -256,22 +308,22 @@ def _source(source: str, path: str | None) -> str:
 
 def _describe_data_parallel(mesh: Par3DMesh, blocks: int, config: Par3DConfig, precision: str) -> str:
     layout = mesh.layout
-    engine = layout.data_parallel
+    kind = layout.data_parallel
     replicas = f" × {layout.dp_replicate} replicas" if layout.dp_replicate > 1 else ""
-    if engine == "none":
+    if kind == "none":
         return "none"
-    if engine == "ddp":
+    if kind == "ddp":
         compressed = f", {config.grad_compression} gradient compression" if config.grad_compression else ""
         return f"DDP over {layout.dp} replicas (ZeRO-0{compressed})"
-    if engine == "zero":
+    if kind == "zero":
         what = "optimizer state" if layout.zero == 1 else "optimizer state and gradients"
         return f"ZeRO-{layout.zero}: {what} sharded over dp_shard={layout.dp_shard}{replicas}"
     if layout.dp_shard == 1:
         return f"FSDP2 replicated over {layout.dp} ranks (ZeRO-0, one unit)"
-    kind = "HSDP" if layout.dp_replicate > 1 else "FSDP2"
+    sharding = "HSDP" if layout.dp_replicate > 1 else "FSDP2"
     extras = [f"{precision} gathers" if precision.endswith("-mixed") else "", "CPU offload" if config.offload else ""]
     detail = "".join(f", {e}" for e in extras if e)
-    return f"ZeRO-3 with {kind} ({blocks} blocks + root{detail})"
+    return f"ZeRO-3 with {sharding} ({blocks} blocks + root{detail})"
 
 
 def _rank0_metric_states(detached: list[Any]) -> list[Any]:

@@ -72,10 +72,11 @@ class GlobalGradScaler(torch.amp.GradScaler):
         import torch.distributed as dist
 
         from lightning_par3d.parallel.tensor_parallel import local_tensor
+        from lightning_par3d.torch_private import unscale_and_check_finite
 
         grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            unscale_and_check_finite(grads, found_inf, inv_scale)
         if dist.is_initialized():
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return {found_inf.device: found_inf}

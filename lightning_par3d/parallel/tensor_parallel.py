@@ -24,6 +24,7 @@ from lightning_par3d.parallel.styles import (
 )
 from lightning_par3d.parallel.ties import tied_groups
 from lightning_par3d.patterns import is_transformers_model, matches
+from lightning_par3d.torch_private import dtensor_local
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -155,10 +156,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Ma
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own tensor of a DTensor (its ``_local_tensor``, the storage FSDP2 and DCP use too), or ``t``."""
+    """The rank's own tensor of a DTensor (the storage FSDP2 and DCP use too, with no autograd in between:
+    :func:`~lightning_par3d.torch_private.dtensor_local`), or ``t``."""
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return dtensor_local(t) if isinstance(t, DTensor) else t
 
 
 def match_param_layout(param: torch.Tensor) -> None:

@@ -19,8 +19,14 @@ second embedding before the layers (learned positions) and a dropout before them
 Mistral, Qwen2, Qwen3 and GPT-2 have this shape. Tied input and output embeddings cannot be split between the first
 and last stage, and are refused under pipelining.
 
-Padding masks are not carried through the pipeline: stages see causal attention over full sequences, as in
-causal-LM pretraining and packed fine-tuning.
+Padded batches: the trunk call's ``attention_mask=`` (and ``position_ids=``) reach every stage (torch's schedule
+passes the call's keyword arguments to each stage's forward, split into the same microbatches as the ids), and each
+stage builds its masks with the model's own mask functions from them, so a padded batch gives the outputs the
+model gives with the same mask. Without ``position_ids`` the positions are ``0 … T-1`` on every row, whatever the
+padding, as the model's own forward computes them (Llama, Qwen2, Mistral, GPT-2). The stage forward takes only
+``input_ids``, ``attention_mask``, ``position_ids`` and ``use_cache`` by keyword; anything else (``labels``,
+``inputs_embeds``, …, or the mask passed positionally, which would reach the first stage only) is refused before
+the schedule runs (:func:`lightning_par3d.pipeline.runner.check_pipeline_call`).
 """
 
 from __future__ import annotations
@@ -115,26 +121,33 @@ def _stage_forward(
     def part(name: str | None) -> Any:
         return stage.get_submodule(name) if name else None
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        x = args[0] if args else kwargs["input_ids"] if "input_ids" in kwargs else kwargs["hidden_states"]
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+    def forward(
+        x: torch.Tensor | None = None,
+        /,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+    ) -> torch.Tensor:
+        """``x``: the token ids on the first stage (or ``input_ids=``), the previous stage's hidden states on the
+        others. The keyword arguments reach every stage (torch's schedule passes them to each stage's forward,
+        microbatched along dim 0). ``use_cache`` changes nothing here: the stages return logits, never a cache."""
+        h = x if x is not None else input_ids  # token ids (B, T) on the first stage, else hidden states (B, T, hidden)
+        assert h is not None, "a pipeline stage got no input"
+        if position_ids is None:  # as the model's own forward: 0…T-1 on every row, whatever the padding mask
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
         if first:  # token ids (B, T) → embeddings (B, T, hidden)
-            h = part(layout.embed)(x)
-            if layout.positions:
-                h = h + part(layout.positions)(positions)
-            if layout.dropout:
-                h = part(layout.dropout)(h)
-        else:
-            h = x  # the previous stage's hidden states (B, T, hidden)
-        extra: dict[str, Any] = {"position_ids": positions}
+            h = _embed(part, layout, h, position_ids)
+        extra: dict[str, Any] = {"position_ids": position_ids}
         if layout.rotary:
-            extra["position_embeddings"] = part(layout.rotary)(h, positions)  # (cos, sin), on every stage
+            extra["position_embeddings"] = part(layout.rotary)(h, position_ids)  # (cos, sin), on every stage
         masks: dict[str, Any] = {}
         decoder = part(layout.layers)
         for index in layers:
             kind = _attention_kind(config, index)
             if kind not in masks:
-                masks[kind] = _causal_mask(config, h, positions, kind)
+                masks[kind] = _causal_mask(config, h, attention_mask, position_ids, kind)
             out = decoder[index](h, attention_mask=masks[kind], **extra)
             h = out[0] if isinstance(out, tuple) else out
         if last:  # (B, T, hidden) → logits (B, T, vocab)
@@ -144,6 +157,16 @@ def _stage_forward(
     return forward
 
 
+def _embed(part: Callable[[str | None], Any], layout: DecoderLayout, ids: torch.Tensor, positions: torch.Tensor) -> Any:
+    """The first stage's embeddings: token embeddings, plus learned positions and embedding dropout (GPT-2)."""
+    h = part(layout.embed)(ids)
+    if layout.positions:
+        h = h + part(layout.positions)(positions)
+    if layout.dropout:
+        h = part(layout.dropout)(h)
+    return h
+
+
 def _attention_kind(config: Any, index: int) -> str:
     types = getattr(config, "layer_types", None)
     if types is not None:
@@ -151,9 +174,14 @@ def _attention_kind(config: Any, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
-def _causal_mask(config: Any, h: torch.Tensor, positions: torch.Tensor, kind: str) -> Any:
-    """The mask the model's attention implementation expects (None where SDPA's own causal flag does it)."""
+def _causal_mask(
+    config: Any, h: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor, kind: str
+) -> Any:
+    """The mask the model's attention implementation expects, from the model's own mask functions with the
+    batch's padding mask (None where SDPA's own causal flag does it)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-    return make(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions)
+    return make(
+        config=config, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None, position_ids=positions
+    )

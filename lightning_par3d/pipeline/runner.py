@@ -9,6 +9,7 @@ stages, so a model that is dropped is freed with its runner.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class PipelineRunner:
         first (the first batch of an accumulation window). ``zero`` are the ZeRO-1 optimizers over the stages:
         their gradient reduction is held during the schedule's many backward passes and done once after them.
         """
+        self._check_call(pending)
         self._check_batch(targets)
         self._grad_scale = 1.0 / (self.n_microbatches * (accumulate if train else 1))
         if train and zero_grad_first:
@@ -119,6 +121,7 @@ class PipelineRunner:
         """Forward only, without a loss: the merged outputs on the ranks holding the last stage, None elsewhere."""
         first = pending.args[0] if pending.args else next(iter(pending.kwargs.values()))
         dummy_targets = torch.zeros(first.shape[0], device=device)
+        self._check_call(pending)
         self._check_batch(dummy_targets)
         self._loss_fn, self._grad_scale = _zero_loss, 1.0
         try:
@@ -126,6 +129,10 @@ class PipelineRunner:
         finally:
             self._loss_fn = None
         return outputs if self.holds_last_stage else None
+
+    def _check_call(self, pending: PendingPipelineOutput) -> None:
+        if self.stage_modules:
+            check_pipeline_call(self.stage_modules[0], pending)
 
     def _check_batch(self, targets: Any) -> None:
         batch = targets.shape[0] if isinstance(targets, torch.Tensor) and targets.dim() else None
@@ -135,6 +142,48 @@ class PipelineRunner:
                 f"{self.n_microbatches}. Choose a batch size that is a multiple of microbatches, or change "
                 "microbatches."
             )
+
+
+def check_pipeline_call(stage: nn.Module, pending: PendingPipelineOutput) -> None:
+    """Refuses a trunk call that the pipeline stages cannot take, before the schedule runs.
+
+    torch's schedule hands the call's positional arguments to the first stage only and its keyword arguments to
+    every stage's forward: a keyword argument that the stage forward has no parameter for, or a positional
+    argument past those it takes, would fail inside the schedule (one rank raising while its peers wait in a
+    send or receive) or, worse, be dropped. Every pipeline rank reads the same batch and its stages share the
+    trunk's forward, so every rank raises here alike, before any of them communicates.
+    """
+    signature = inspect.signature(stage.forward)
+    try:
+        signature.bind(*pending.args, **pending.kwargs)
+        return
+    except TypeError:
+        pass
+    model = _model_class_name(stage)
+    takes = ", ".join(n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    unknown = [repr(name) for name, value in pending.kwargs.items() if not _binds(signature, name, value)]
+    what = f"the keyword argument {', '.join(unknown)}" if unknown else f"{len(pending.args)} positional arguments"
+    raise TypeError(
+        f"The pipelined {model} cannot take {what}: under pp > 1 each stage's forward takes ({takes}) and gets "
+        "the call's keyword arguments, while positional arguments past the first reach the first stage only. "
+        "Drop the argument (for padded batches: pack the sequences into full rows instead, or use a model whose "
+        "forward takes attention_mask, as par3d's stages of a transformers decoder do), pass it by keyword if the "
+        "forward takes it so, or train without pipeline parallelism."
+    )
+
+
+def _binds(signature: inspect.Signature, name: str, value: Any) -> bool:
+    try:
+        signature.bind_partial(**{name: value})
+    except TypeError:
+        return False
+    return True
+
+
+def _model_class_name(module: nn.Module) -> str:
+    """The model's own class (not the wrappers torch's FSDP or par3d mix into it)."""
+    own = (c for c in type(module).__mro__ if not c.__module__.startswith(("torch.", "lightning_par3d.")))
+    return next(own, type(module)).__name__
 
 
 def _zero_loss(outputs: Any, targets: Any) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par3d.parallel.model_changes import set_attribute, swap_class
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
 
 
@@ -66,8 +67,7 @@ def check_only_trunk_has_parameters(module: nn.Module, trunk_attr: str) -> None:
 def install_trunk(module: nn.Module, trunk_attr: str, holder: nn.Module) -> None:
     """Puts ``holder`` (this rank's stages at their original names) in place of the trunk and makes calling it
     return a :class:`PendingPipelineOutput`."""
-    base = type(holder)
-    holder.__class__ = type(f"Pipelined{base.__name__}", (_PipelinedTrunk, base), {})
+    swap_class(holder, _PipelinedTrunk, "Pipelined")
     module.register_module(trunk_attr, holder)
 
 
@@ -83,7 +83,7 @@ def install_loss(module: nn.Module, loss_attr: str, run_pipeline: RunPipeline) -
     if isinstance(current, PipelinedLoss):
         current.run_pipeline = run_pipeline
         return
-    setattr(module, loss_attr, PipelinedLoss(current, run_pipeline))
+    set_attribute(module, loss_attr, PipelinedLoss(current, run_pipeline))
 
 
 class PipelinedLoss:
@@ -126,5 +126,5 @@ class PipelineHost(nn.Module):
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         raise RuntimeError(
             "A pipelined model computes its loss inside the schedule: call the engine's (or the front-end's) "
-            "train_step/pipeline_step with your loss function."
+            "train_step (Fabric: fabric.strategy.train_step) with your loss function."
         )

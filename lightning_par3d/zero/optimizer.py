@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_par3d.parallel.tensor_parallel import local_tensor, match_param_layout
+from lightning_par3d.torch_private import queue_end_of_backward, strided_shard
 from lightning_par3d.zero.buckets import (
     Bucket,
     ParamShard,
@@ -114,7 +115,6 @@ class ZeroOptimizer(ZeroStateDicts, Optimizer):
     # ---------------------------------------------------------------- layout
     def _shard(self, param: Tensor) -> ParamShard:
         from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor.placement_types import _StridedShard
 
         whole = local_tensor(param).dim() > 0
         n = self._mesh.layout.dp_shard if whole else 1
@@ -127,7 +127,7 @@ class ZeroOptimizer(ZeroStateDicts, Optimizer):
             dp_placement: Placement = Replicate()
         elif isinstance(tp_placement, Shard) and tp_placement.dim == 0:
             # tp cuts dim 0 first, then dp_shard cuts each tp piece: FSDP2's right-to-left 2D layout.
-            dp_placement = _StridedShard(0, split_factor=self._mesh.layout.tp)
+            dp_placement = strided_shard()(0, split_factor=self._mesh.layout.tp)
         else:
             dp_placement = Shard(0)
         return ParamShard(
@@ -151,7 +151,7 @@ class ZeroOptimizer(ZeroStateDicts, Optimizer):
             return
         if not self._end_of_backward_queued:
             self._end_of_backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
         bucket = self._bucket_of.get(param)
         if bucket is None:  # a 0-d parameter, not cut: reduced on its own
             self._reduce_whole(self._shards[param])

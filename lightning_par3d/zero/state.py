@@ -147,14 +147,13 @@ class ZeroStateDicts:
 
 
 def _tp_piece(param: Tensor, whole: Tensor) -> Tensor:
-    """This rank's tensor-parallel piece of a parameter-shaped ``whole``."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """This rank's tensor-parallel piece of a parameter-shaped ``whole``: cut by the parameter's own placements,
+    locally (``src_data_rank=None``: every rank holds ``whole``, nothing is sent)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(param, DTensor):
         return whole
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+    return distribute_tensor(whole.detach(), param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 def _contiguous(shape: Iterable[int]) -> tuple[int, ...]:

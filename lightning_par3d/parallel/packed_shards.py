@@ -21,26 +21,27 @@ from typing import Any
 
 import torch
 
+from lightning_par3d.torch_private import strided_shard
 
-def is_interleaved(tensor: Any) -> bool:
+
+def is_packed_shard(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor with a ``_StridedShard`` placement on its ``tp`` mesh dimension."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(tensor, DTensor):
         return False
     names = tensor.device_mesh.mesh_dim_names or ()
     return any(
-        isinstance(placement, _StridedShard) and name == "tp"
+        isinstance(placement, strided_shard()) and name == "tp"
         for placement, name in zip(tensor.placements, names, strict=False)
     )
 
 
 def _contiguous(tensor: Any) -> Any:
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in tensor.placements]
+    strided = strided_shard()
+    plain = [Shard(p.dim) if isinstance(p, strided) else p for p in tensor.placements]
     with torch.no_grad():
         return tensor.detach().redistribute(tensor.device_mesh, plain)
 
@@ -56,7 +57,7 @@ def contiguous_copies(state: MutableMapping[str, Any]) -> Swapped:
     for key, value in list(state.items()):
         if isinstance(value, MutableMapping):
             swapped += contiguous_copies(value)
-        elif is_interleaved(value):
+        elif is_packed_shard(value):
             state[key] = _contiguous(value)
             swapped.append((state, key, value))
     return swapped
@@ -98,11 +99,11 @@ def fsdp_shard_placement(param: Any) -> Any:
     ``_StridedShard`` that does not match what it holds.) A one-dimensional interleaved parameter (a packed
     projection's bias) has no other dim and is refused."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if not is_interleaved(param):
+    if not is_packed_shard(param):
         return None
-    dims = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+    strided = strided_shard()
+    dims = {p.dim for p in param.placements if isinstance(p, strided)}
     free = [d for d in range(param.ndim) if d not in dims]
     if not free:
         raise ValueError(
