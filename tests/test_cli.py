@@ -108,3 +108,30 @@ def test_unknown_mode_is_a_clear_error(unknown_mode):
     out = unknown_mode
     assert out.returncode != 0, out.stderr[-3000:]
     assert "mode='profile' is not a mode. Allowed: 'train', 'estimate'." in out.stderr, out.stderr[-3000:]
+
+
+def accelerate_example(folder: Path) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py strategy.tp=2``, as
+    ``make accelerate`` runs it (fewer steps; it writes nothing): Accelerate's launcher starts 4 ranks (torchrun)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    launcher = str(Path(sys.executable).with_name("accelerate"))
+    command = [launcher, "launch", "--config_file", "conf/accelerate/cpu4.yaml", "--main_process_port", "0"]
+    command += ["examples/accelerate_train.py", "strategy.tp=2", "steps=4", "eval_every=4"]
+    return background.run(command, timeout=600, cwd=ROOT, env=env)
+
+
+accelerate_app = background.fixture("accelerate_app", accelerate_example)
+
+
+@pytest.mark.dist
+def test_make_accelerate_trains_and_prints_no_third_party_warning(accelerate_app):
+    """The Accelerate example through Accelerate's own launcher trains at dp_shard=2 × tp=2 and prints no warning
+    from torch, Accelerate or Lightning (it printed DTensor's "sequential all_reduce" warning on every rank, from
+    the gradient clipping)."""
+    out = accelerate_app
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in text
+    assert "final metrics: train_loss=" in text
+    warnings = [line for line in text.splitlines() if "warn" in line.lower() or "]:W" in line]
+    assert not warnings, "\n".join(warnings)
