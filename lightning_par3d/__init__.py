@@ -26,6 +26,7 @@ from lightning_par3d.parallel.gradients import clip_grad_norm_, total_grad_norm
 from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.parallelize import parallelize
 from lightning_par3d.parallel.styles import STYLE_NAMES
+from lightning_par3d.planning import calibrate, choose_layout, plan
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
@@ -41,10 +42,13 @@ __all__ = [
     "Par3DStrategy",
     "SavedTensorMeter",
     "ZeroOptimizer",
+    "calibrate",
+    "choose_layout",
     "clip_grad_norm_",
     "estimate_memory",
     "model_state_bytes",
     "parallelize",
+    "plan",
     "resolve_layout",
     "total_grad_norm",
 ]

@@ -143,3 +143,13 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 
     Private: ``Tensor._base``."""
     return t._base
+
+
+def clear_sharding_propagation_cache() -> None:
+    """Empties DTensor's cache of sharding decisions. It is keyed by mesh equality and holds the mesh a decision was
+    made on, so a mesh of a later fake world (the planner simulates hundreds) that equals an earlier one would be
+    handed the earlier, destroyed mesh. Private: ``torch.distributed.tensor.debug._clear_sharding_prop_cache``; no
+    public equivalent."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

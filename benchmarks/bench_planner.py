@@ -1,0 +1,187 @@
+"""The planner's predictions against measured step times: does ``lightning_par3d.planning.plan`` rank layouts as
+they really run?
+
+    python benchmarks/bench_planner.py [--world 4] [--steps 12] [--warmup 4] [--select distinct|all] [--limit N]
+                                       [--profile NAME] [--rounds 1]
+
+It plans the GPT of ``benchmarks/bench_strategies.py`` (4 layers, 128 wide, block 64, global batch 16) on
+``--world`` ranks of this machine, calibrated by the planner itself (``calibrate``, as many processes as ranks;
+``--profile`` uses a named profile instead), then trains every layout the plan lists as fitting (``--select
+distinct``: the best-predicted schedule and checkpointing of each size and ZeRO stage; ``all``: every one) for
+``--steps`` steps in one pool of gloo processes (``tests/harness.py``'s ``DistPool``, as ``bench_strategies.py`` does),
+each run's step time the slowest rank's, the median of the steps after ``--warmup``. It prints, per layout, the
+predicted and measured step, and then:
+
+* whether the plan's first choice is within 10 % of the best measured step;
+* Spearman's rank correlation between predicted and measured steps;
+* the median relative error of the prediction (``|predicted − measured| / measured``).
+
+The pool's processes share the machine's cores as a run's ranks would, and the calibration measured them so. On a
+shared or loaded machine both the calibration and the runs are noisy: compare on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from examples.gpt import GPTModule
+
+MODEL = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
+GLOBAL_BATCH = 16
+SEQ = 64
+
+
+def timed_layout(config: Any, steps: int, warmup: int) -> list[float]:
+    """One training run of ``config`` in a pool worker; each kept step's time, the slowest rank's."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from benchmarks.bench_strategies import StepTimer, quiet_trainer
+    from examples.data import ShakespeareDataModule
+    from lightning_par3d import Par3DStrategy, resolve_layout
+
+    L.seed_everything(0, verbose=False)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    layout = resolve_layout(config, world)
+    assert layout is not None
+    timer = StepTimer()
+    strategy = Par3DStrategy(dataclasses.replace(config, timeout_s=300))
+    trainer = quiet_trainer(strategy, world, steps, timer, "cpu")
+    data = ShakespeareDataModule(block_size=SEQ, batch_size=GLOBAL_BATCH // layout.dp, max_bytes=200_000)
+    trainer.fit(GPTModule(**MODEL), data)
+    local = torch.tensor(timer.times[warmup:])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.tolist()
+
+
+def ranks(values: list[float]) -> list[float]:
+    """Ranks 1…n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    result = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            result[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return result
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (Pearson's on the ranks); nan for fewer than 2 points or a constant side."""
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va and vb else float("nan")
+
+
+def select(rows: list[Any], how: str, limit: int | None) -> list[Any]:
+    """The fitting rows to measure: all, or the best-predicted one per (sizes, ZeRO stage)."""
+    if how == "distinct":
+        seen, picked = set(), []
+        for row in rows:  # fastest first
+            key = (row.layout.shape, row.layout.zero)
+            if key not in seen:
+                seen.add(key)
+                picked.append(row)
+        rows = picked
+    return rows[:limit] if limit else rows
+
+
+def compare(predicted: list[float], measured: list[float]) -> dict[str, float]:
+    """First choice vs the best measured, rank correlation, median relative error."""
+    best = min(measured)
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    return {
+        "first_choice_vs_best": measured[0] / best,
+        "spearman": spearman(predicted, measured),
+        "median_relative_error": statistics.median(errors),
+    }
+
+
+def main() -> None:
+    from lightning_par3d.planning import SearchSpace, calibrate, plan
+    from tests.harness import DistPool
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every layout this many times (median)")
+    parser.add_argument("--select", choices=("distinct", "all"), default="distinct")
+    parser.add_argument("--limit", type=int, default=None, help="measure at most this many layouts")
+    parser.add_argument("--profile", default=None, help="plan with a named profile instead of calibrating")
+    parser.add_argument("--memory", default="4GiB", help="memory per rank the plan may use")
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    machine: Any = args.profile or calibrate(args.world)
+    calibration_s = time.perf_counter() - started
+    described = machine if isinstance(machine, str) else machine.describe()
+    print(f"machine ({calibration_s:.1f} s): {described}", flush=True)
+    started = time.perf_counter()
+    table = plan(
+        GPTModule(**MODEL),
+        args.world,
+        args.world,
+        args.memory,
+        global_batch=GLOBAL_BATCH,
+        seq_len=SEQ,
+        machine=machine,
+        search=SearchSpace(),
+    )
+    print(f"plan: {len(table.fitting)} fitting layouts of {len(table)} ({time.perf_counter() - started:.1f} s)")
+    rows = select(table.fitting, args.select, args.limit)
+    pool = DistPool(args.world)
+    measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+    try:
+        pool.run(timed_layout, timeout=900, config=rows[0].config, steps=args.warmup + 1, warmup=args.warmup)
+        for r in range(args.rounds):
+            order = range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))
+            for i in order:
+                times = pool.run(timed_layout, timeout=900, config=rows[i].config, steps=args.steps, warmup=args.warmup)
+                measured[i].append(statistics.median(times[0]))
+                print(
+                    f"round {r + 1}/{args.rounds}  {rows[i].describe():48s} {measured[i][-1] * 1e3:8.1f} ms", flush=True
+                )
+    finally:
+        pool.close()
+
+    medians = [statistics.median(measured[i]) for i in range(len(rows))]
+    predicted = [row.time.total for row in rows]
+    machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
+    print(f"\n{args.world} gloo ranks on {machine_line}; GPT {MODEL}, global batch {GLOBAL_BATCH}; "
+          f"{args.steps - args.warmup} kept steps × {args.rounds} rounds\n")  # fmt: skip
+    print("| # | layout | predicted ms | measured ms | measured / predicted |")
+    print("|---:|---|---:|---:|---:|")
+    for i, (row, m) in enumerate(zip(rows, medians, strict=True), 1):
+        print(f"| {i} | {row.describe()} | {row.time.total * 1e3:.1f} | {m * 1e3:.1f} | {m / row.time.total:.2f} |")
+    result = compare(predicted, medians)
+    within = result["first_choice_vs_best"] <= 1.10
+    print(
+        f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
+        f"(×{result['first_choice_vs_best']:.2f}; within 10 %: {'yes' if within else 'no'}); "
+        f"Spearman {result['spearman']:.2f}; median relative error {result['median_relative_error']:.0%}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Measuring the machine the planner runs on: :func:`calibrate` gives a :class:`~lightning_par3d.planning.machine.
+Machine` whose figures are this machine's, measured by ``world_size`` processes at once, as a run's ranks share it.
+
+``torch.multiprocessing`` spawns the processes; they join one process group over ``backend`` (gloo on CPUs, NCCL
+with one GPU each) and each, at the same time as the others (so that processes sharing cores measure their share):
+
+* **matmul throughput**: square matmuls (``2n³`` FLOPs each) in fp32 and bf16 for about ``seconds`` each; the
+  slowest rank's FLOP/s;
+* **time per op**: a small MLP's forward and backward, whose arithmetic is negligible, divided by its aten op count
+  (counted as the planner's probe counts them, so the two agree); and an in-place op on a small DTensor sharded over
+  the processes (no communication: its own dispatch only);
+* **memory bandwidth**: copies of a 16 MiB tensor (each reads and writes it);
+* **collectives**: all-reduce and all-gather of 4 KiB to 4 MiB (the median of a few, the slowest rank's), fitted by
+  least squares, relative to each time, to the ring formulas of :mod:`~lightning_par3d.planning.cost` for a latency
+  α per step and a bandwidth β.
+
+On one machine nothing crosses a network, so the link across nodes is the one within (give ``inter_node=`` for a
+real network). It takes a few seconds beyond starting the processes (each imports torch).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_par3d.planning.machine import Link, Machine
+
+COLLECTIVE_SIZES = (4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20)
+"""Bytes per collective measured (the whole tensor: the reduced one, or the gathered output)."""
+
+
+def calibrate(
+    world_size: int | None = None,
+    backend: str = "gloo",
+    *,
+    seconds: float = 0.3,
+    inter_node: Link | None = None,
+    timeout_s: float = 300.0,
+) -> Machine:
+    """This machine's figures, measured by ``world_size`` processes at once (default: the cores, 2 to 8); see the
+    module docstring. ``backend="nccl"`` measures one GPU per process."""
+    import torch.multiprocessing as mp
+
+    cores = os.cpu_count() or 2
+    n = world_size if world_size is not None else min(max(cores, 2), 8)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(
+            f"calibrate(world_size={world_size!r}) needs 2 or more processes to measure collectives. Give the ranks "
+            "that will share this machine (2 or more)."
+        )
+    if backend == "nccl" and torch.cuda.device_count() < n:
+        raise ValueError(
+            f"calibrate(world_size={n}, backend='nccl') needs {n} GPUs, and this machine has "
+            f"{torch.cuda.device_count()}. Use fewer processes, or backend='gloo'."
+        )
+    started = time.perf_counter()
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(
+        _worker,
+        args=(n, _free_port(), backend, seconds, timeout_s, results),
+        nprocs=n,
+        join=True,
+        start_method="spawn",
+    )
+    measured: dict[str, Any] = results.get()
+    link = _fit_link(measured["collectives"], n)
+    gpu = backend == "nccl"
+    figures = {k: v for k, v in measured.items() if k != "collectives"}
+    figures["calibration_s"] = time.perf_counter() - started
+    return Machine(
+        name=f"calibrated ({n} {backend} processes, {cores} cores)",
+        matmul_flops={"fp32": measured["fp32_flops"], "bf16": measured["bf16_flops"], "fp16": measured["bf16_flops"]},
+        op_overhead_s=measured["op_s"],
+        dtensor_op_overhead_s=measured["dtensor_op_s"],
+        memory_bandwidth=measured["memory_bandwidth"],
+        intra_node=link,
+        inter_node=inter_node or link,
+        async_kernels=gpu,
+        overlap_communication=gpu,
+        source=f"measured on this machine by {n} processes over {backend}",
+        measurements={**figures, "alpha_s": link.latency_s, "beta_bytes_per_s": link.bandwidth},
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fit_link(samples: list[tuple[str, float, float]], n: int) -> Link:
+    """α and β of the ring formulas, fitted to (collective, bytes, seconds) samples by least squares relative to
+    each time."""
+    coefficients = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n)}
+    rows, targets = [], []
+    for kind, size, seconds in samples:
+        latency, volume = coefficients[kind]
+        rows.append([latency / seconds, volume * size / seconds])
+        targets.append([1.0])
+    solution = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64))
+    alpha, inverse_beta = (float(x) for x in solution.solution.flatten())
+    if inverse_beta <= 0:  # latency-bound at every size measured: take the bandwidth of the largest
+        kind, size, seconds = max(samples, key=lambda s: s[1])
+        inverse_beta = seconds / (coefficients[kind][1] * size)
+    return Link(latency_s=max(alpha, 0.0), bandwidth=1.0 / inverse_beta)
+
+
+# ---------------------------------------------------------------- inside each process
+
+
+def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_s: float, results: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        start = time.perf_counter()
+        figures = {
+            "fp32_flops": _slowest(_matmul_flops(torch.float32, device, seconds), device, minimum=True),
+            "bf16_flops": _slowest(_matmul_flops(torch.bfloat16, device, seconds / 2), device, minimum=True),
+            "op_s": _slowest(_op_seconds(device, seconds), device),
+            "dtensor_op_s": _slowest(_dtensor_op_seconds(n, device, seconds / 2), device),
+            "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
+        }
+        collectives = []
+        for kind in ("all_reduce", "all_gather"):
+            for size in COLLECTIVE_SIZES:
+                collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
+        figures["measuring_s"] = time.perf_counter() - start
+        if rank == 0:
+            results.put({**figures, "collectives": collectives})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(value: float, device: torch.device, minimum: bool = False) -> float:
+    """The slowest rank's figure: the largest time, or the smallest throughput."""
+    import torch.distributed as dist
+
+    t = torch.tensor([-value if minimum else value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(-t.item() if minimum else t.item())
+
+
+def _timed(run: Any, seconds: float, device: torch.device) -> tuple[int, float]:
+    """Runs ``run()`` (after one warm-up) until ``seconds`` have passed; (calls, elapsed)."""
+    import torch.distributed as dist
+
+    run()
+    _sync(device)
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while True:
+        run()
+        calls += 1
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return calls, elapsed
+
+
+def _matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float) -> float:
+    size = 1024 if device.type == "cuda" else 256
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    calls, elapsed = _timed(lambda: a @ b, seconds, device)
+    return 2 * size**3 * calls / elapsed
+
+
+def _op_seconds(device: torch.device, seconds: float) -> float:
+    from torch import nn
+
+    from lightning_par3d.planning.probe import count_ops
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 8)).to(device)
+    x = torch.randn(2, 8, device=device)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    _, ops = count_ops(step)
+    calls, elapsed = _timed(step, seconds, device)
+    return elapsed / calls / ops
+
+
+def _dtensor_op_seconds(n: int, device: torch.device, seconds: float) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (n,))
+    shard = distribute_tensor(torch.zeros(16 * n, device=device), mesh, [Shard(0)])
+    calls, elapsed = _timed(lambda: shard.mul_(1.0), seconds, device)
+    return elapsed / calls
+
+
+def _memory_bandwidth(device: torch.device, seconds: float) -> float:
+    source = torch.empty(4 * 2**20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    calls, elapsed = _timed(lambda: target.copy_(source), seconds, device)
+    return 2 * source.numel() * 4 * calls / elapsed
+
+
+def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repeats: int = 5) -> float:
+    import torch.distributed as dist
+
+    if kind == "all_reduce":
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+
+        def run() -> None:
+            dist.all_reduce(tensor)
+
+    else:
+        chunk = torch.zeros(size // 4 // n, dtype=torch.float32, device=device)
+        parts = [torch.empty_like(chunk) for _ in range(n)]
+
+        def run() -> None:
+            dist.all_gather(parts, chunk)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,66 @@
+"""The planner's simulated processes: torch's fake process group, entered and left without traces.
+
+The planner builds schedules and tensor-parallel parts of the model in one process, playing rank 0 of a world of
+fake processes (torch's ``"fake"`` backend: its collectives move nothing), as the memory estimator does. Each
+``init_process_group`` also wraps ``sys.excepthook`` to prefix tracebacks with ``[rank0]:``, and never unwraps it,
+so a planner that enters hundreds of fake worlds would print every later traceback with hundreds of prefixes:
+:func:`keep_excepthook` puts the hook back.
+
+DTensor caches its sharding decisions by mesh *equality*, and a cached decision holds the mesh it was made on. A
+mesh of a later fake world that equals one of an earlier world (the same ranks and names) is then handed the earlier
+mesh, whose process groups are gone: its next collective fails with "Could not resolve the process group". Leaving a
+fake world (:func:`forget_meshes`) clears that cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning_par3d.torch_private import clear_sharding_propagation_cache
+
+
+def check_no_process_group(what: str) -> None:
+    """Raises where a default process group exists: the planner simulates every rank in this one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            f"{what} simulates every rank in this process with torch's fake process group, so it runs before launch "
+            "(no process group yet). Call it from the launching script or from `python -m lightning_par3d.plan`."
+        )
+
+
+@contextmanager
+def keep_excepthook() -> Iterator[None]:
+    """Restores ``sys.excepthook`` on the way out (``init_process_group`` wraps it on every call)."""
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = hook
+
+
+@contextmanager
+def forget_meshes() -> Iterator[None]:
+    """Clears DTensor's sharding-propagation cache on the way out, so that no later mesh is handed this world's
+    meshes (see the module docstring)."""
+    try:
+        yield
+    finally:
+        clear_sharding_propagation_cache()
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of torch's fake backend, in which this process plays rank 0 of ``world_size``."""
+    import torch.distributed as dist
+
+    check_no_process_group("The planner")
+    with keep_excepthook(), forget_meshes():
+        dist.init_process_group("fake", rank=0, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,443 @@
+"""What the cost model reads from the model itself, measured once per pipeline split and tensor-parallel degree.
+
+Two probes, both on copies of the model that hold no storage:
+
+* :func:`stage_work` runs each pipeline stage (the whole model without pipelining), unparallelized on the meta
+  device, through one forward and backward of a small batch, and counts with ``torch.utils.flop_counter.
+  FlopCounterMode`` the FLOPs of forward and backward (per sample: they grow linearly with the batch), with a
+  dispatch mode the aten ops each runs (per microbatch: they do not grow with it), per checkpointable block the
+  forward's FLOPs and ops (what activation checkpointing recomputes), and, for every module the tensor-parallel
+  plan names, the bytes of its input and output (which size its collectives: :data:`STYLE_COLLECTIVES`);
+* :func:`stage_params` splits the model as a run does and applies the run's tensor-parallel plan
+  (:func:`~lightning_par3d.parallel.parallelize.parallelize_part`, the function a run and the memory estimator
+  call) over torch's fake process group, and reads each parameter's shape on tensor-parallel rank 0 (what the ZeRO
+  formulas and the data-parallel collectives take), grouped into FSDP2's units (each block, then the rest).
+
+Problems that belong to the model (a tp that does not divide the heads, more stages than blocks) raise the
+``ValueError`` that par3d's own checks raise, with their message.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.parallel.styles import canonical
+
+PROBE_BATCH = 2
+"""Samples per probe run; FLOPs and bytes are divided by it (per sample)."""
+
+STYLE_COLLECTIVES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    # style: ((phase, collective, which activation sizes it), ...)
+    "colwise": (("backward", "all_reduce", "input"),),
+    "packed_colwise": (("backward", "all_reduce", "input"),),
+    "rowwise": (("forward", "all_reduce", "output"),),
+    "packed_rowwise": (("forward", "all_reduce", "output"),),
+    "colwise_gather_output": (("forward", "all_gather", "output"), ("backward", "all_reduce", "input")),
+    "rowwise_split_input": (("forward", "all_reduce", "output"), ("backward", "all_gather", "input")),
+    "embedding_rowwise": (("forward", "all_reduce", "output"),),
+    "embedding_colwise": (("forward", "all_gather", "output"),),
+    "all_reduce": (("forward", "all_reduce", "output"),),
+    "rowwise_seq": (("forward", "reduce_scatter", "output"), ("backward", "all_gather", "output")),
+    "colwise_seq": (("forward", "all_gather", "input"), ("backward", "reduce_scatter", "input")),
+    "replicated_with_grad_allreduce": (("step", "all_reduce", "params"),),
+    "sequence_parallel": (),
+    "local_params": (),
+    "replicate": (),
+}
+"""The tensor-parallel collectives each style issues per microbatch, from the semantics of torch's styles:
+
+* ``colwise`` (``ColwiseParallel``): the input is replicated, so its gradient comes back as partial sums on each
+  rank: one all-reduce of the input's bytes in backward; the output stays sharded (no forward collective);
+* ``rowwise`` (``RowwiseParallel``; on an embedding, vocabulary-sharded): each rank's output is a partial sum: one
+  all-reduce of the output's bytes in forward; the input gradient stays sharded;
+* ``colwise_gather_output``: colwise, then an all-gather of the output (the gathered output's bytes) in forward;
+* ``rowwise_split_input``: rowwise, and the input gradient all-gathered back to replicated in backward;
+* ``embedding_colwise``: an all-gather of the output in forward;
+* ``rowwise_seq`` / ``colwise_seq``: a reduce-scatter into (an all-gather out of) sequence shards in forward, and the
+  opposite in backward;
+* ``replicated_with_grad_allreduce``: one all-reduce of the module's parameter gradients per step;
+* ``sequence_parallel``, ``local_params``, ``replicate``: none of their own.
+
+A style not listed costs one all-reduce of its output in forward and one of its input in backward."""
+_UNKNOWN_STYLE = (("forward", "all_reduce", "output"), ("backward", "all_reduce", "input"))
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One tensor-parallel collective a planned module issues per microbatch (``phase`` ``"step"``: per step)."""
+
+    module: str
+    style: str
+    phase: str
+    kind: str
+    bytes_per_sample: float
+    """Bytes of the activation it moves, per sample, at the element size of the model's activations as built
+    (scaled to the run's compute dtype by the cost model); for ``phase == "step"``, the parameter bytes."""
+    block: int | None
+    """The index (in :attr:`StageWork.block_forward_flops`) of the checkpointable block that holds the module."""
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One pipeline stage's work (the whole model without pipelining), unparallelized."""
+
+    index: int
+    forward_flops: float
+    """Per sample."""
+    backward_flops: float
+    """Per sample."""
+    forward_ops: int
+    """Aten ops of one microbatch's forward (any size)."""
+    backward_ops: int
+    block_forward_flops: tuple[float, ...]
+    """Per checkpointable block, per sample (what full checkpointing recomputes)."""
+    block_forward_ops: tuple[int, ...]
+    block_cheap_ops: tuple[int, ...]
+    """Per block, the forward's ops without FLOPs (what op-level checkpointing recomputes: it keeps matmul outputs)."""
+    tp: tuple[TPCollective, ...]
+    output_bytes_per_sample: float
+    """What the stage sends to the next one per sample (its output), at the element size as built."""
+    activation_element_bytes: int
+    """The element size of the activations as built (the cost model rescales to the run's compute dtype)."""
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One stage's parameters on tensor-parallel rank 0, before data parallelism cuts them."""
+
+    index: int
+    shapes: tuple[tuple[int, ...], ...]
+    units: tuple[int, ...]
+    """Elements per FSDP2 unit: each block FSDP2 would wrap, then the stage's root (everything else)."""
+    tensors: int
+
+    @property
+    def elements(self) -> int:
+        return sum(self.units)
+
+
+# ---------------------------------------------------------------- building copies
+
+
+def build_meta(module: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    """A fresh copy of the model on the meta device: a LightningModule deep-copied (before ``configure_model``)
+    and configured, or the factory called."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if isinstance(module, nn.Module):
+            built = copy.deepcopy(module)
+            configure = getattr(built, "configure_model", None)
+            with torch.device("meta"):
+                if callable(configure):
+                    configure()
+            return built.to("meta")
+        with torch.device("meta"):
+            return module()
+
+
+def probe_layout(pp: int, stages_per_rank: int, tp: int = 1, schedule: str | None = None) -> Layout:
+    """A layout with these pipeline and tensor-parallel sizes and no data parallelism (what a stage's shapes and
+    work depend on)."""
+    from lightning_par3d.pipeline.schedules import LOOP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+
+    if schedule is None:
+        schedule = SINGLE_STAGE_SCHEDULES[1] if stages_per_rank == 1 else LOOP_SCHEDULES[0]
+    return Layout(pp=pp, dp_replicate=1, dp_shard=1, tp=tp, schedule=schedule, virtual_stages=stages_per_rank)
+
+
+@dataclass
+class _Parts:
+    """The model split as a run splits it: the root, and per stage the module and its forward."""
+
+    root: nn.Module
+    stages: list[nn.Module]
+    trunk_attr: str | None
+    blocks: list[list[nn.Module]]
+    """Per stage, the modules FSDP2 wraps one by one (the stage's blocks)."""
+
+
+def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> _Parts:
+    """The model on meta, split into ``layout``'s stages by the run's own functions (the whole model for pp=1)."""
+    from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d.parallel.data_parallel import find_blocks
+    from lightning_par3d.pipeline.trunk import declared_pipeline
+
+    root = build_meta(module)
+    if layout.pp == 1:
+        return _Parts(root, [root], None, [find_blocks(root, config.fsdp_blocks)])
+    spec = declared_pipeline(root)
+    plan = build.plan_pipeline(root, spec, config, layout)
+    trunk = getattr(root, spec.trunk)
+    stages = [build.build_stage(trunk, plan, s, layout.n_stages) for s in range(layout.n_stages)]
+    blocks = [[stage.get_submodule(name) for name in plan.blocks[s]] for s, stage in enumerate(stages)]
+    return _Parts(root, stages, spec.trunk, blocks)
+
+
+def plan_styles(root: nn.Module, config: Par3DConfig) -> dict[str, str]:
+    """The tensor-parallel plan over the whole model (full module names → style), without the divisibility check
+    (what each style costs does not depend on tp)."""
+    from lightning_par3d.parallel.tensor_parallel import expand_plan, find_plan, plan_tied_weights
+
+    plan = find_plan(root, config.tp_plan)
+    return plan_tied_weights(root, expand_plan(root, plan)) if plan else {}
+
+
+def check_model(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> None:
+    """par3d's own model checks for ``layout``'s pipeline and tensor-parallel sizes; raises their ``ValueError``
+    (or ``TypeError``, for a module that does not declare its pipeline)."""
+    from lightning_par3d.parallel import parallelize as build
+
+    parts = split(module, config, layout)
+    build.checked_plan(parts.root, config, layout.tp)
+
+
+# ---------------------------------------------------------------- counting work
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten ops, and those without FLOPs (as ``FlopCounterMode`` counts none for them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.flop_ops = set(flop_registry)
+        self.ops = 0
+        self.cheap = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        if func._overloadpacket not in self.flop_ops:
+            self.cheap += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()``'s result and the aten ops it dispatched."""
+    counter = _OpCounter()
+    with counter:
+        result = run()
+    return result, counter.ops
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        yield
+
+
+def stage_work(
+    module: nn.Module | Callable[[], nn.Module],
+    config: Par3DConfig,
+    layout: Layout,
+    seq_len: int,
+    loss_fn: Callable[..., Tensor] | None = None,
+) -> list[StageWork]:
+    """Each stage's FLOPs, ops, per-block recompute and tensor-parallel collectives; see the module docstring."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
+    from lightning_par3d.parallel.parallelize import stage_styles
+
+    parts = split(module, config, layout)
+    styles = plan_styles(parts.root, config)
+    tokens = torch.zeros(PROBE_BATCH, seq_len, dtype=torch.long, device="meta")
+    carried: Any = tokens
+    works = []
+    for s, part in enumerate(parts.stages):
+        names = styles if parts.trunk_attr is None else stage_styles(styles, part, parts.trunk_attr)
+        blocks = find_ac_blocks(part, config.ac_blocks)
+        inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
+        run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
+        sizes: dict[str, tuple[int, int]] = {}
+        per_block: list[tuple[float, int, int]] = []
+        forward = FlopCounterMode(display=False)
+        counter = _OpCounter()
+        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter)
+        with _quiet(), forward, counter:
+            output, loss = run()
+        for hook in hooks:
+            hook.remove()
+        backward = FlopCounterMode(display=False)
+        back_counter = _OpCounter()
+        with _quiet(), backward, back_counter:
+            (loss if loss is not None else output).backward(None if loss is not None else torch.ones_like(output))
+        element = output.element_size() if isinstance(output, Tensor) else 4
+        works.append(
+            StageWork(
+                index=s,
+                forward_flops=forward.get_total_flops() / PROBE_BATCH,
+                backward_flops=backward.get_total_flops() / PROBE_BATCH,
+                forward_ops=counter.ops,
+                backward_ops=back_counter.ops,
+                block_forward_flops=tuple(f / PROBE_BATCH for f, _, _ in per_block),
+                block_forward_ops=tuple(o for _, o, _ in per_block),
+                block_cheap_ops=tuple(c for _, _, c in per_block),
+                tp=_tp_collectives(part, names, sizes, blocks),
+                output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
+                activation_element_bytes=element,
+            )
+        )
+        carried = output.detach() if isinstance(output, Tensor) else carried
+    return works
+
+
+def _stage_forward(
+    parts: _Parts,
+    s: int,
+    part: nn.Module,
+    inputs: Any,
+    tokens: Tensor,
+    loss_fn: Callable[..., Tensor] | None,
+) -> Callable[[], tuple[Any, Tensor | None]]:
+    """Stage ``s``'s forward on ``inputs``, with the loss on the last stage: (output, loss or None)."""
+    last = s == len(parts.stages) - 1
+    if parts.trunk_attr is None:
+        if loss_fn is not None:
+
+            def whole_with_loss_fn() -> tuple[Any, Tensor | None]:
+                output = part(inputs)
+                return output, loss_fn(output, tokens)
+
+            return whole_with_loss_fn
+        step = getattr(part, "training_step", None)
+        if not callable(step):
+            raise TypeError("The planner needs loss_fn(outputs, *targets) for a module without training_step.")
+        return lambda: (None, step((inputs, tokens), 0))
+
+    from lightning_par3d.pipeline.trunk import declared_pipeline
+
+    loss_name = declared_pipeline(parts.root).loss
+
+    def stage() -> tuple[Any, Tensor | None]:
+        output = part(inputs)
+        return output, getattr(parts.root, loss_name)(output, tokens) if last else None
+
+    return stage
+
+
+def _size_hooks(part: nn.Module, names: dict[str, str], sizes: dict[str, tuple[int, int]]) -> list[Any]:
+    """Hooks recording each planned module's (input bytes, output bytes)."""
+    hooks = []
+    for name in names:
+        try:
+            sub = part.get_submodule(name)
+        except AttributeError:
+            continue
+
+        def record(_m: nn.Module, args: Any, output: Any, name: str = name) -> None:
+            sizes[name] = (_bytes(args[0] if args else None), _bytes(output))
+
+        hooks.append(sub.register_forward_hook(record))
+    return hooks
+
+
+def _block_hooks(
+    blocks: list[nn.Module], per_block: list[tuple[float, int, int]], flops: Any, counter: _OpCounter
+) -> list[Any]:
+    """Hooks recording each block's forward FLOPs, ops and ops without FLOPs, read from the running counters."""
+    hooks = []
+    started: list[tuple[float, int, int]] = []  # a stack: blocks may nest
+
+    def totals() -> tuple[float, int, int]:
+        return float(flops.get_total_flops()), counter.ops, counter.cheap
+
+    def before(_m: nn.Module, _a: Any) -> None:
+        started.append(totals())
+
+    def after(_m: nn.Module, _a: Any, _o: Any) -> None:
+        f0, o0, c0 = started.pop()
+        f1, o1, c1 = totals()
+        per_block.append((f1 - f0, o1 - o0, c1 - c0))
+
+    for block in blocks:
+        hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+    return hooks
+
+
+def _bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return _bytes(value[0])
+    return 0
+
+
+def _tp_collectives(
+    part: nn.Module, names: dict[str, str], sizes: dict[str, tuple[int, int]], blocks: list[nn.Module]
+) -> tuple[TPCollective, ...]:
+    owner = {id(sub): b for b, block in enumerate(blocks) for sub in block.modules()}
+    found = []
+    for name, style in names.items():
+        try:
+            sub = part.get_submodule(name)
+        except AttributeError:
+            continue
+        style = canonical(style)
+        in_bytes, out_bytes = sizes.get(name, (0, 0))
+        params = sum(p.numel() * p.element_size() for p in sub.parameters())
+        for phase, kind, what in STYLE_COLLECTIVES.get(style, _UNKNOWN_STYLE):
+            size = {"input": in_bytes / PROBE_BATCH, "output": out_bytes / PROBE_BATCH, "params": params}[what]
+            found.append(TPCollective(name, style, phase, kind, float(size), owner.get(id(sub))))
+    return tuple(found)
+
+
+# ---------------------------------------------------------------- parameter shapes
+
+
+def stage_params(
+    module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout, precision: str
+) -> list[StageParams]:
+    """Each stage's parameter shapes on tensor-parallel rank 0 and its FSDP2 units (see the module docstring)."""
+    from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d.parallel.tensor_parallel import local_tensor
+    from lightning_par3d.planning.fakeworld import fake_world
+
+    plain = dataclasses.replace(config, activation_checkpointing="none")
+    parts = split(module, plain, layout)
+    if layout.tp > 1:
+        fqn_styles = build.checked_plan(parts.root, plain, layout.tp)
+        tp_layout = Layout(pp=1, dp_replicate=1, dp_shard=1, tp=layout.tp)
+        with fake_world(layout.tp), _quiet():
+            mesh = Par3DMesh.build(tp_layout, "cpu", "fake", timedelta(minutes=30))
+            for part in parts.stages:
+                styles = (
+                    fqn_styles if parts.trunk_attr is None else build.stage_styles(fqn_styles, part, parts.trunk_attr)
+                )
+                build.parallelize_part(part, mesh, plain, precision, styles, [])
+    result = []
+    for s, part in enumerate(parts.stages):
+        params = list(part.parameters())
+        shapes = tuple(tuple(local_tensor(p).shape) for p in params)
+        seen: set[int] = set()
+        units = []
+        for block in parts.blocks[s]:
+            units.append(_elements(block.parameters(), seen))
+        units.append(_elements(iter(params), seen))
+        result.append(StageParams(s, shapes, tuple(units), len(params)))
+    return result
+
+
+def _elements(params: Iterator[Tensor], seen: set[int]) -> int:
+    from lightning_par3d.parallel.tensor_parallel import local_tensor
+
+    total = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += local_tensor(p).numel()
+    return total

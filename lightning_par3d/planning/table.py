@@ -1,0 +1,227 @@
+"""A plan's result: one :class:`PlanRow` per candidate layout, ranked in a :class:`PlanTable`, and its text (a
+markdown table; :mod:`~lightning_par3d.planning.plot` draws it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.memory.estimate import MemoryEstimate
+from lightning_par3d.planning.cost import StepTime
+from lightning_par3d.planning.machine import Machine, format_bytes
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate: its configuration, and either its memory and predicted step, or why it cannot run."""
+
+    config: Par3DConfig
+    layout: Layout | None
+    memory: MemoryEstimate | None = None
+    """The estimator's figures for this layout (None where the layout was rejected before)."""
+    time: StepTime | None = None
+    fits: bool = False
+    reason: str | None = None
+    """Why the layout cannot run here (None for a layout that fits)."""
+
+    @property
+    def peak_memory(self) -> int | None:
+        return self.memory.peak if self.memory is not None else None
+
+    @property
+    def step_s(self) -> float | None:
+        return self.time.total if self.time is not None else None
+
+    def describe(self) -> str:
+        """The layout in one short line: sizes, ZeRO stage, schedule and checkpointing."""
+        c = self.config
+        layout = self.layout
+        sizes = (
+            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}·tp{layout.tp}"
+            if layout is not None
+            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}·tp{c.tp}"
+        )
+        parts = [sizes, f"z{_zero(self)}"]
+        if c.pp > 1:
+            v = f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""
+            parts.append(f"{c.pipeline_schedule}{v} m{c.microbatches}")
+        if c.activation_checkpointing != "none":
+            parts.append(f"ac={c.activation_checkpointing}")
+        return " ".join(parts)
+
+    def strategy_arguments(self) -> dict[str, Any]:
+        """The ``Par3DConfig`` / ``Par3DStrategy`` keyword arguments that select this layout."""
+        c = self.config
+        layout = self.layout
+        args: dict[str, Any] = {}
+        if layout is not None:
+            args.update(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+            args["zero_stage"] = layout.zero
+        if c.pp > 1:
+            args.update(pipeline_schedule=c.pipeline_schedule, microbatches=c.microbatches)
+            if c.virtual_stages != 1:
+                args["virtual_stages"] = c.virtual_stages
+        if c.activation_checkpointing != "none":
+            args["activation_checkpointing"] = c.activation_checkpointing
+        return args
+
+
+def _zero(row: PlanRow) -> int:
+    if row.layout is not None:
+        return row.layout.zero
+    return row.config.zero_stage or 0
+
+
+@dataclass
+class PlanTable:
+    """Every candidate of a plan: the layouts that fit, fastest first, then those that do not fit (by memory),
+    then those rejected before (each with its reason)."""
+
+    rows: list[PlanRow]
+    world_size: int
+    devices_per_node: int
+    device_memory: int
+    global_batch: int
+    seq_len: int
+    precision: str
+    machine: Machine
+    model: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rows = sorted(self.rows, key=_rank_key)
+
+    def __iter__(self) -> Iterator[PlanRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fitting(self) -> list[PlanRow]:
+        """The layouts that fit, fastest first."""
+        return [row for row in self.rows if row.fits]
+
+    @property
+    def rejected(self) -> list[PlanRow]:
+        """The layouts that cannot run here, each with its reason."""
+        return [row for row in self.rows if not row.fits]
+
+    @property
+    def best(self) -> PlanRow:
+        """The fastest layout that fits."""
+        if not self.fitting:
+            raise ValueError("No layout of this plan fits; see each row's reason.")
+        return self.fitting[0]
+
+    def to_markdown(self, top: int | None = None, group_rejected: bool = False) -> str:
+        """The ranked table: the ``top`` fitting layouts (None: all), then every rejected one with its reason, a
+        line each, or with ``group_rejected`` a line per reason listing its layouts."""
+        return markdown(self, top, group_rejected)
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+    def memory_text(self, row: PlanRow) -> str:
+        return format_bytes(row.peak_memory) if row.peak_memory is not None else "—"
+
+
+def _rank_key(row: PlanRow) -> tuple[int, float, str]:
+    if row.fits and row.time is not None:
+        return (0, row.time.total, row.describe())
+    if row.memory is not None:
+        return (1, float(row.memory.peak), row.describe())
+    return (2, 0.0, row.describe())
+
+
+# ---------------------------------------------------------------- as text
+
+
+def header(table: PlanTable) -> str:
+    return (
+        f"par3d plan: {table.model or 'the model'} on {table.world_size} ranks ({table.devices_per_node} per node), "
+        f"{format_bytes(table.device_memory)} per device, global batch {table.global_batch} × {table.seq_len} "
+        f"tokens, {table.precision}\nmachine: {table.machine.describe()}"
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f}" if seconds < 1 else f"{seconds * 1e3:,.1f}"
+
+
+def markdown(table: PlanTable, top: int | None = None, group_rejected: bool = False) -> str:
+    """Two tables: the layouts that fit, fastest first, with their predicted step split into buckets; then the
+    rejected ones, each with its reason (``group_rejected``: one line per reason, with its layouts)."""
+    lines = [header(table), ""]
+    fitting = table.fitting if top is None else table.fitting[:top]
+    lines += [
+        f"Layouts that fit ({len(table.fitting)}), fastest first; step time predicted (ms), memory per rank from "
+        "estimate_memory:",
+        "",
+        "| # | layout | ZeRO | schedule | ac | memory/rank | step ms | compute | tp comm | dp comm | bubble |",
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [_fit_line(i, row, table) for i, row in enumerate(fitting, 1)]
+    if len(fitting) < len(table.fitting):
+        lines.append(f"| … | {len(table.fitting) - len(fitting)} more | | | | | | | | | |")
+    if not fitting:
+        lines.append("| — | none fits | | | | | | | | | |")
+    if table.rejected:
+        lines += ["", f"Rejected layouts ({len(table.rejected)}):", ""]
+        lines += _grouped(table) if group_rejected else _each(table)
+    if table.notes:
+        lines += ["", *table.notes]
+    return "\n".join(lines)
+
+
+def _each(table: PlanTable) -> list[str]:
+    lines = ["| layout | ZeRO | schedule | ac | memory/rank | why |", "|---|---:|---|---|---:|---|"]
+    for row in table.rejected:
+        lines.append(
+            f"| {_sizes(row)} | {_zero_text(row)} | {_schedule(row)} | {row.config.activation_checkpointing} | "
+            f"{table.memory_text(row)} | {row.reason or ''} |"
+        )
+    return lines
+
+
+def _grouped(table: PlanTable, shown: int = 3) -> list[str]:
+    groups: dict[str, list[PlanRow]] = {}
+    for row in table.rejected:
+        groups.setdefault(row.reason or "", []).append(row)
+    lines = ["| why | layouts |", "|---|---|"]
+    for reason, rows in groups.items():
+        names = "; ".join(row.describe() for row in rows[:shown])
+        more = f"; and {len(rows) - shown} more" if len(rows) > shown else ""
+        lines.append(f"| {reason} | {len(rows)}: {names}{more} |")
+    return lines
+
+
+def _fit_line(i: int, row: PlanRow, table: PlanTable) -> str:
+    t = row.time
+    assert t is not None
+    return (
+        f"| {i} | {_sizes(row)} | {_zero_text(row)} | {_schedule(row)} | {row.config.activation_checkpointing} | "
+        f"{table.memory_text(row)} | {_ms(t.total)} | {_ms(t.compute)} | {_ms(t.tp_comm)} | {_ms(t.dp_comm)} | "
+        f"{_ms(t.bubble)} |"
+    )
+
+
+def _sizes(row: PlanRow) -> str:
+    source = row.layout if row.layout is not None else row.config
+    return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard} × tp={source.tp}"
+
+
+def _zero_text(row: PlanRow) -> str:
+    if row.layout is not None:
+        return str(row.layout.zero) if row.layout.dp > 1 else "—"
+    return str(row.config.zero_stage) if row.config.zero_stage is not None else "—"
+
+
+def _schedule(row: PlanRow) -> str:
+    c = row.config
+    if c.pp == 1:
+        return "—"
+    v = f", v={c.virtual_stages}" if c.virtual_stages > 1 else ""
+    return f"{c.pipeline_schedule} (m={c.microbatches}{v})"

@@ -1,0 +1,357 @@
+"""The planner (``lightning_par3d.planning``): every layout listed, each one's memory the estimator's, the pipeline
+bubble the schedule's, reasons for what cannot run, clear errors for bad input, ``fixed`` sizes, the cost formulas,
+the calibration's fit, and the command line."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples.gpt import GPTModule
+from lightning_par3d import Par3DConfig, estimate_memory, resolve_layout
+from lightning_par3d.planning import Link, Machine, SearchSpace, choose_layout, machine_profile, plan, schedule_bubble
+from lightning_par3d.planning.candidates import candidates
+from lightning_par3d.planning.cost import all_gather, all_reduce, group_link, predict_step, send
+from lightning_par3d.planning.fakeworld import forget_meshes
+from lightning_par3d.planning.probe import StageParams, StageWork
+from tests.constants import MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, SEQ = 16, 32
+DEEP = {**MODEL, "n_layer": 4}
+
+
+def _plan(world: int, **kwargs: object) -> object:
+    options = dict(devices_per_node=world, device_memory="1GiB", global_batch=BATCH, seq_len=SEQ)
+    options.update(kwargs)
+    return plan(GPTModule(**MODEL), world, machine="h100-sxm-8", **options)
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[int, object]:
+    """The example GPT's plan at 4 and 8 ranks (computed once for the module)."""
+    return {world: _plan(world) for world in (4, 8)}
+
+
+def _estimate(row: object, world: int, module: object = None) -> object:
+    with forget_meshes():  # the estimator, called for many layouts in one process, needs DTensor's cache cleared
+        return estimate_memory(module or GPTModule(**MODEL), row.config, world, (BATCH // row.layout.dp, SEQ))
+
+
+def _key(config: Par3DConfig) -> tuple:
+    return (
+        config.pp, config.dp_replicate, config.dp_shard, config.tp, config.zero_stage, config.pipeline_schedule,
+        config.virtual_stages, config.microbatches, config.activation_checkpointing,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the table
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_every_layout_resolve_layout_accepts_is_listed(tables, world):
+    """Each configuration of the search space that resolve_layout accepts is a row: fitting, or with a reason."""
+    table = tables[world]
+    listed = {_key(row.config) for row in table}
+    accepted = 0
+    for config in candidates(world, SearchSpace(), {}, Par3DConfig()):
+        try:
+            layout = resolve_layout(config, world)
+        except ValueError:
+            continue
+        accepted += 1
+        if layout.zero == 0 and config.dp_shard not in (1, "auto"):
+            continue  # zero_stage=0 over dp_shard is replication, listed once as such
+        assert _key(config) in listed
+    assert accepted > 20 and len(table.fitting) > 10
+    assert all(row.fits == (row.reason is None) for row in table)
+    assert [row.time.total for row in table.fitting] == sorted(row.time.total for row in table.fitting)
+
+
+def _sample(table: object, per_class: int) -> list[object]:
+    """Rows covering every kind of layout: per (pp, tp, ZeRO, replicas, schedule kind, microbatches, checkpointing),
+    the first ``per_class`` rows."""
+    taken: dict[tuple, int] = {}
+    rows = []
+    for row in table:
+        if row.memory is None:
+            continue
+        layout, config = row.layout, row.config
+        kind = (layout.pp, layout.tp, layout.zero, layout.dp_replicate > 1, layout.stages_per_rank,
+                config.microbatches if layout.pp > 1 else 0, config.activation_checkpointing)  # fmt: skip
+        if taken.get(kind, 0) < per_class:
+            taken[kind] = taken.get(kind, 0) + 1
+            rows.append(row)
+    return rows
+
+
+def test_memory_is_the_estimators_for_every_layout_at_four_ranks(tables):
+    rows = [row for row in tables[4] if row.memory is not None]
+    assert len(rows) > 20
+    for row in rows:
+        assert row.memory == _estimate(row, 4), row.describe()
+
+
+def test_memory_is_the_estimators_at_eight_ranks(tables):
+    """At 8 ranks, a row of every kind of layout (the same comparison over all of them passed: 114 of 114)."""
+    rows = _sample(tables[8], per_class=1)
+    assert len(rows) > 15
+    for row in rows:
+        assert row.memory == _estimate(row, 8), row.describe()
+
+
+def test_memory_is_the_estimators_with_checkpointing_and_bf16_and_deeper_pipelines():
+    """bf16-mixed (FSDP2 gathers in bf16), checkpointing, 4 blocks (looped and V schedules, pp=4) under a memory
+    limit that leaves some layouts out: a layout of each pipeline schedule, checkpointing mode and ZeRO stage. (The
+    same comparison over every mode, schedule and ZeRO stage, 288 layouts in all, passed too.)"""
+    module = GPTModule(**DEEP)
+    space = SearchSpace(
+        activation_checkpointing=("none", "full"),
+        schedules=("1f1b", "looped_bfs", "zbv_zero_bubble"),
+        microbatch_multiples=(1,),
+        zero_stages=(1, 3),
+    )
+    table = plan(module, 4, 4, "1MiB", global_batch=BATCH, seq_len=SEQ, precision="bf16-mixed", search=space)
+    assert table.fitting and any("more than the" in (row.reason or "") for row in table)
+    rows, kinds = [], set()
+    for row in table:
+        if row.memory is None:
+            continue
+        kind = (row.layout.pp, row.config.pipeline_schedule if row.layout.pp > 1 else None,
+                row.config.activation_checkpointing, row.layout.zero)  # fmt: skip
+        if kind not in kinds:
+            kinds.add(kind)
+            rows.append(row)
+    assert {row.layout.pp for row in rows} == {1, 2, 4} and len(rows) > 10
+    for row in rows:
+        with forget_meshes():
+            got = estimate_memory(module, row.config, 4, (BATCH // row.layout.dp, SEQ), precision="bf16-mixed")
+        assert row.memory == got, row.describe()
+
+
+def test_rejected_layouts_carry_their_reason(tables):
+    table = tables[8]
+    reasons = {row.describe(): row.reason for row in table.rejected}
+    assert all(reasons.values())
+    assert any("head count" in r and "tp=8" in r for r in reasons.values())  # the model cannot split its heads
+    assert any("Number of stages" in r for r in reasons.values())  # more stages than blocks
+    assert any("zero_stage=2" in r for r in reasons.values())  # resolve_layout's own message
+    across = _plan(8, devices_per_node=2)
+    assert all("across nodes" in row.reason for row in across if row.layout and row.layout.tp > 2)
+    with pytest.raises(ValueError, match=r"can run:\n  - 36× tp=4 would put tensor-parallel groups across nodes"):
+        _plan(8, fixed={"tp": 4}, devices_per_node=2)
+
+
+def test_layouts_that_do_not_fit_say_what_they_need():
+    table = plan(GPTModule(**MODEL), 4, 4, "700KiB", global_batch=BATCH, seq_len=SEQ)
+    too_big = [row for row in table.rejected if row.memory is not None]
+    assert too_big and table.fitting
+    for row in too_big:
+        assert row.memory.peak > 700 * 2**10 and "more than the 700.00 KiB of a device" in row.reason
+    assert all(row.memory.peak <= 700 * 2**10 for row in table.fitting)
+
+
+def test_checkpointing_is_tried_where_a_layout_does_not_fit_without_it():
+    table = plan(GPTModule(**MODEL), 4, 4, "700KiB", global_batch=BATCH, seq_len=SEQ)
+    plain_fits = {row.layout for row in table.fitting if row.config.activation_checkpointing == "none"}
+    for row in table:
+        if row.config.activation_checkpointing != "none" and row.layout in plain_fits:
+            assert row.reason.startswith("fits without activation checkpointing")
+    assert any(row.config.activation_checkpointing == "full" and row.memory is not None for row in table)
+
+
+def test_fixed_sizes_constrain_the_search():
+    table = _plan(8, fixed={"tp": 2, "zero_stage": 3})
+    assert all(row.config.tp == 2 for row in table)
+    assert all(row.layout.zero == 3 for row in table.fitting if row.layout.dp_shard > 1)
+    pipelined = _plan(4, fixed={"pp": 2, "pipeline_schedule": "gpipe", "microbatches": 4})
+    assert {(r.config.pp, r.config.pipeline_schedule, r.config.microbatches) for r in pipelined} == {(2, "gpipe", 4)}
+
+
+def test_choose_layout_is_the_best_row(tables):
+    config = choose_layout(GPTModule(**MODEL), 4, 4, "1GiB", global_batch=BATCH, seq_len=SEQ)
+    assert isinstance(config, Par3DConfig)
+    assert _key(config) == _key(tables[4].best.config)
+    resolve_layout(config, 4)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(world_size=0), r"world_size=0: give the number of ranks"),
+        (dict(devices_per_node=0), r"devices_per_node=0"),
+        (dict(world_size=12, devices_per_node=8), r"world_size=12 is not a whole number of nodes"),
+        (dict(device_memory="lots"), r"device_memory='lots' is not a size"),
+        (dict(global_batch=0), r"global_batch=0"),
+        (dict(precision="64-true"), r"precision='64-true'"),
+        (dict(machine="tpu-v9"), r"machine='tpu-v9' is not a known profile"),
+        (dict(fixed={"tp": 3}), r"fixed tp=3 does not divide the world size 8.*Choose tp among \[1, 2, 4, 8\]"),
+        (dict(fixed={"pp": 4, "tp": 4}), r"multiply to 16, which does not divide the world size 8"),
+        (dict(fixed={"sp": 2}), r"fixed\['sp'\] is not something a plan chooses"),
+    ],
+)
+def test_bad_input_is_refused_with_the_value_and_the_fix(change, message):
+    arguments = dict(world_size=8, devices_per_node=8, device_memory="1GiB", global_batch=BATCH, seq_len=SEQ)
+    arguments.update(change)
+    with pytest.raises(ValueError, match=message):
+        plan(GPTModule(**MODEL), **arguments)
+
+
+def test_a_device_memory_nothing_fits_in_is_refused_with_the_smallest_need():
+    with pytest.raises(ValueError, match=r"No layout of GPTModule on 4 ranks fits device_memory=10.00 KiB.*needs"):
+        plan(GPTModule(**MODEL), 4, 4, "10KiB", global_batch=BATCH, seq_len=SEQ)
+
+
+# ---------------------------------------------------------------- the pipeline bubble
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "m", "v"),
+    [("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("gpipe", 4, 4, 1), ("interleaved_1f1b", 4, 8, 2), ("looped_bfs", 2, 4, 2)],
+)
+def test_bubble_of_equal_stages_is_the_textbook_one(schedule, pp, m, v):
+    assert schedule_bubble(schedule, pp, m, v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+def test_zero_bubble_schedules_idle_less():
+    textbook = 3 / (2 * 8 + 3)
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        assert schedule_bubble(schedule, 4, 8, 2) < textbook
+
+
+def _uniform_machine(**changes: object) -> Machine:
+    return Machine(
+        "uniform", {"fp32": 1e9}, 0.0, 0.0, 1e30, Link(0.0, 1e30), Link(0.0, 1e30), async_kernels=False, **changes
+    )
+
+
+def test_the_step_of_a_uniform_pipeline_has_the_schedules_bubble():
+    """1F1B at pp=4, m=4 over four equal stages with free links: the bubble is (p−1)/(m+p−1) of the step."""
+    work = StageWork(0, 1e6, 2e6, 0, 0, (), (), (), (), 0.0, 4)
+    params = StageParams(0, (), (0,), 0)
+    layout = resolve_layout(Par3DConfig(pp=4, microbatches=4, dp_shard=1), 4)
+    step = predict_step(Par3DConfig(), layout, [work] * 4, [params] * 4, 4, _uniform_machine(), 4)
+    assert step.bubble / step.total == pytest.approx(3 / 7)
+    assert step.compute == pytest.approx(4 * 3e6 / 1e9)
+
+
+def test_the_gpt_pipeline_bubble_is_close_to_the_schedules():
+    """The GPT's four stages are nearly equal on an op-bound profile: its 1F1B bubble at pp=4, m=4 is near 3/7."""
+    table = plan(
+        GPTModule(**DEEP), 4, 4, "1GiB", global_batch=BATCH, seq_len=SEQ,
+        fixed={"pp": 4, "pipeline_schedule": "1f1b", "microbatches": 4, "activation_checkpointing": "none"},
+    )  # fmt: skip
+    step = table.best.time
+    assert step.bubble / (step.bubble + step.compute + step.tp_comm) == pytest.approx(3 / 7, abs=0.06)
+
+
+# ---------------------------------------------------------------- cost formulas and machines
+
+
+def test_collective_formulas():
+    link = Link(1e-5, 1e9)
+    assert all_reduce(8e6, 4, link) == pytest.approx(6e-5 + 1.5 * 8e-3)
+    assert all_gather(8e6, 4, link) == pytest.approx(3e-5 + 0.75 * 8e-3)
+    assert all_reduce(8e6, 1, link) == 0.0
+    assert send(1e6, link) == pytest.approx(1e-5 + 1e-3)
+
+
+def test_groups_across_nodes_use_the_network():
+    machine = machine_profile("h100-sxm-8")
+    layout = resolve_layout(Par3DConfig(dp_shard=4, tp=4), 16)
+    assert group_link(layout, "tp", machine, 8) is machine.intra_node
+    assert group_link(layout, "dp_shard", machine, 8) is machine.inter_node
+
+
+def test_profiles_name_their_sources():
+    for name in ("h100-sxm-8", "a100-sxm4-8"):
+        machine = machine_profile(name)
+        assert "datasheet" in machine.source and machine.devices_per_node == 8
+        assert machine.flops_for("bf16-mixed") > machine.flops_for("32-true")
+
+
+def test_calibration_fit_recovers_latency_and_bandwidth():
+    from lightning_par3d.planning.calibrate import COLLECTIVE_SIZES, _fit_link
+
+    truth = Link(5e-5, 2e9)
+    samples = [(k, float(s), f(s, 4, truth)) for k, f in (("all_reduce", all_reduce), ("all_gather", all_gather))
+               for s in COLLECTIVE_SIZES]  # fmt: skip
+    fitted = _fit_link(samples, 4)
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+
+
+def test_calibrate_measures_this_machine():
+    from lightning_par3d.planning import calibrate
+
+    machine = calibrate(2, seconds=0.05)
+    assert machine.flops_for("32-true") > 1e8 and 0 < machine.op_overhead_s < 1e-2
+    assert machine.intra_node.bandwidth > 1e6 and math.isfinite(machine.intra_node.latency_s)
+    assert machine.measurements["measuring_s"] < 30
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
+    png = tmp_path / "plan.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_par3d.plan", "--module", "examples.gpt:GPTModule",
+         "--model-arg", "n_layer=2", "--model-arg", "n_embd=32", "--model-arg", "block_size=32",
+         "--world-size", "4", "--devices-per-node", "4", "--memory", "1GiB", "--batch", "16", "--seq", "32",
+         "--profile", "a100-sxm4-8", "--fixed", "tp=2", "--plot", str(png)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "Layouts that fit" in out and "| 1 | pp=" in out and "× tp=2 |" in out and "× tp=1 |" not in out
+    assert "Rejected layouts" in out and "best: Par3DStrategy(" in out
+    assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_command_line_refuses_bad_input_with_the_reason():
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_par3d.plan", "--module", "examples.gpt:GPTModule", "--world-size", "8",
+         "--batch", "16", "--seq", "32", "--fixed", "tp=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "fixed tp=3 does not divide the world size 8" in done.stderr
+
+
+def test_the_plan_module_is_callable_as_the_function():
+    import lightning_par3d.plan as plan_module
+
+    table = plan_module(GPTModule(**MODEL), 2, 2, "1GiB", global_batch=4, seq_len=SEQ, fixed={"tp": 2})
+    assert table.best.layout.tp == 2
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_statistics():
+    from benchmarks.bench_planner import compare, ranks, spearman
+
+    assert ranks([3.0, 1.0, 2.0, 1.0]) == [4.0, 1.5, 3.0, 1.5]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    got = compare([1.0, 2.0, 3.0], [1.2, 1.0, 3.0])
+    assert got["first_choice_vs_best"] == pytest.approx(1.2)
+    assert got["median_relative_error"] == pytest.approx(0.2 / 1.2)
+
+
+@pytest.mark.dist
+def test_benchmark_trains_a_planned_layout(pool4):
+    """The benchmark's run of one layout the plan lists (a few steps), so that it cannot rot between uses."""
+    from benchmarks.bench_planner import timed_layout
+
+    config = Par3DConfig(pp=2, dp_shard=2, zero_stage=1, microbatches=2)
+    times = pool4.run(timed_layout, config=config, steps=3, warmup=1)[0]
+    assert len(times) == 2 and all(t > 0 for t in times)
