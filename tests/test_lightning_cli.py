@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from lightning_par3d import Par3DConfig, Par3DFabricStrategy, Par3DStrategy
 from lightning_par3d.accelerate import Par3DAccelerator
+from tests import background
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = [Par3DStrategy, Par3DFabricStrategy, Par3DAccelerator]
@@ -122,42 +122,39 @@ SMALL_RUN = [
 CLI_TIMEOUT_S = 600  # a run takes about 20 s on 2 idle cores, 90 s beside other jobs; a hang ends at timeout_s=60
 
 
-def run_cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    """``python examples/cli.py fit *args`` (small) from the repo root, its output folder ``folder``; on a timeout
-    the whole process group (the second rank included) is killed."""
+def run_cli(folder: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """``python examples/cli.py fit *args`` (small) from the repo root, its output folder ``folder``, as a background
+    case (``tests/background.py``: it runs beside the pooled tests, its whole process group killed on a timeout)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, "examples/cli.py", "fit", *args, *SMALL_RUN, f"--trainer.default_root_dir={folder}"]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=CLI_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return folder, background.run(command, timeout=CLI_TIMEOUT_S, cwd=ROOT, env=env)
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize(
-    "args",
-    [
-        [
-            "--trainer.strategy=lightning_par3d.Par3DStrategy",
-            "--trainer.strategy.tp=2",
-            "--trainer.strategy.timeout_s=60",
-        ],
-        ["--config", "conf/cli/par3d_tp2.yaml", "--trainer.strategy.timeout_s=60"],
-    ],
-    ids=["command_line", "yaml"],
-)
-def test_lightning_cli_trains_at_tp2(tmp_path, args):
-    out = run_cli(tmp_path, *args)
+STRATEGY_ON_THE_COMMAND_LINE = [
+    "--trainer.strategy=lightning_par3d.Par3DStrategy",
+    "--trainer.strategy.tp=2",
+    "--trainer.strategy.timeout_s=60",
+]
+STRATEGY_IN_A_YAML = ["--config", "conf/cli/par3d_tp2.yaml", "--trainer.strategy.timeout_s=60"]
+cli_command_line = background.fixture("cli_command_line", lambda folder: run_cli(folder, *STRATEGY_ON_THE_COMMAND_LINE))
+cli_yaml = background.fixture("cli_yaml", lambda folder: run_cli(folder, *STRATEGY_IN_A_YAML))
+
+
+def _check_cli_run(folder: Path, out: subprocess.CompletedProcess) -> None:
     output = out.stdout + out.stderr
     assert out.returncode == 0, output[-3000:]
     assert LAYOUT_LINE in output, output[-3000:]
     assert "`max_steps=2` reached" in output
-    saved = (tmp_path / "config.yaml").read_text()  # LightningCLI's record of the run: the strategy's init_args
+    saved = (folder / "config.yaml").read_text()  # LightningCLI's record of the run: the strategy's init_args
     assert "class_path: lightning_par3d.Par3DStrategy" in saved and "tp: 2" in saved
+
+
+@pytest.mark.dist
+def test_lightning_cli_trains_at_tp2_from_the_command_line(cli_command_line):
+    _check_cli_run(*cli_command_line)
+
+
+@pytest.mark.dist
+def test_lightning_cli_trains_at_tp2_from_a_yaml(cli_yaml):
+    _check_cli_run(*cli_yaml)
