@@ -360,8 +360,7 @@ class _Part:
         spec = declared_pipeline(root)
         plan = build.plan_pipeline(root, spec, config, layout)
         part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages)
-        own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as parallelize_stage checkpoints
-        blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
+        blocks = find_ac_blocks(part, config.ac_blocks)
         with fake_mode_paused():
             build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
         inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)

@@ -96,19 +96,14 @@ def find_ac_blocks(module: nn.Module, target: str | None) -> list[nn.Module]:
     return by_class or [sub for _, sub in find_modules(module, target)]
 
 
-def apply_activation_checkpointing(
-    module: nn.Module, mode: str, target: str | None = None, every: int = 2, blocks: list[nn.Module] | None = None
-) -> int:
+def apply_activation_checkpointing(module: nn.Module, mode: str, target: str | None = None, every: int = 2) -> int:
     """Checkpoints the blocks of ``module`` in place by ``mode`` (see the module docstring); returns how many blocks
-    are checkpointed. ``blocks``: the blocks to use when ``target`` is None (a pipeline stage's own blocks: a stage
-    may hold a single one, which is no container of repeated blocks); by default the members of ``module``'s
-    containers of repeated blocks. Raises ``ValueError`` when ``target`` names no module (and a mode other than
-    ``none`` is set)."""
+    are checkpointed. Raises ``ValueError`` when ``target`` names no module (and a mode other than ``none`` is set)."""
     if mode == "none":
         return 0
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is not a mode. Allowed: {', '.join(map(repr, AC_MODES))}.")
-    blocks = list(blocks) if blocks is not None and target is None else find_ac_blocks(module, target)
+    blocks = find_ac_blocks(module, target)
     if not blocks and target is not None:
         raise ValueError(
             f"ac_blocks={target!r} names no module class and matches no module name of {type(module).__name__}. "

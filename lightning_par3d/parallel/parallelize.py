@@ -139,18 +139,16 @@ def parallelize_part(
     precision: str,
     fqn_styles: dict[str, str],
     blocks: list[nn.Module],
-    stage_blocks: list[nn.Module] | None = None,
 ) -> int:
     """Tensor parallel → activation checkpointing → FSDP2 (per block, then ``part`` as the root), on the meta
-    device; returns how many blocks are checkpointed. The same function serves the whole model and each stage (whose
-    own blocks, ``stage_blocks``, are the ones checkpointed), and the memory estimator
-    (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over torch's fake process group, so that
-    its estimate is of this very build."""
+    device; returns how many blocks are checkpointed. The same function serves the whole model and each stage, and
+    the memory estimator (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over torch's fake
+    process group, so that its estimate is of this very build."""
     ties = tied_groups(part) if fqn_styles else []
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
     checkpointed = apply_activation_checkpointing(
-        part, config.activation_checkpointing, config.ac_blocks, config.ac_every, stage_blocks
+        part, config.activation_checkpointing, config.ac_blocks, config.ac_every
     )
     shard_data_parallel(part, mesh, blocks, mesh.layout.reshard_after_forward, **_fsdp_policies(config, precision))
     return checkpointed
@@ -222,11 +220,10 @@ def parallelize_stage(
     trunk_attr: str,
 ) -> int:
     """:func:`parallelize_part` on stage ``index`` (built by :func:`build_stage`), with its share of the whole
-    model's plan, and its own blocks as the blocks to checkpoint (one block is enough) and FSDP2's units; returns how
-    many blocks are checkpointed."""
+    model's plan and its blocks as FSDP2's units; returns how many blocks are checkpointed."""
     styles = stage_styles(fqn_styles, stage, trunk_attr)
-    own = [stage.get_submodule(name) for name in plan.blocks[index]]
-    return parallelize_part(stage, mesh, config, precision, styles, own if mesh.layout.dp_shard > 1 else [], own)
+    blocks = [stage.get_submodule(name) for name in plan.blocks[index]] if mesh.layout.dp_shard > 1 else []
+    return parallelize_part(stage, mesh, config, precision, styles, blocks)
 
 
 def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) -> dict[str, str]:

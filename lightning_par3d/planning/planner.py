@@ -308,10 +308,7 @@ def _evaluate(
     rank_batch = setup.global_batch // layout.dp
     works = probes.work(layout)
     try:
-        # Under pp a run checkpoints each stage's own blocks, one included (the probe finds containers of repeated
-        # blocks only, so a stage of one block has no recompute FLOPs in the cost model yet: its time is low there).
-        checkpoints = any(w.block_forward_flops for w in works) or (layout.pp > 1 and config.ac_blocks is None)
-        estimate = memory.estimate(config, layout, rank_batch, checkpoints)
+        estimate = memory.estimate(config, layout, rank_batch, any(w.block_forward_flops for w in works))
     except (ValueError, TypeError) as error:
         return PlanRow(config, layout, reason=_model_message(error))
     time = predict_step(
