@@ -440,7 +440,7 @@ def _schedule_peak(actions: Sequence[Any], per_microbatch: dict[int, int]) -> tu
     the weight-gradient pass that comes after the input-gradient pass) releases them. Returns (peak bytes, peak
     count in flight)."""
     live = peak = count = peak_count = 0
-    for action in _flatten_actions(actions):
+    for action in flatten_actions(actions):
         kind = str(action.computation_type.value)
         stage = action.stage_index
         if kind == "F":
@@ -451,13 +451,15 @@ def _schedule_peak(actions: Sequence[Any], per_microbatch: dict[int, int]) -> tu
     return peak, peak_count
 
 
-def _flatten_actions(actions: Sequence[Any]) -> Iterator[Any]:
+def flatten_actions(actions: Sequence[Any]) -> Iterator[Any]:
+    """The actions of a torch schedule's ``pipeline_order`` row, grouped actions opened up and idle slots left out
+    (the estimator's walk, and the planner's timing of the same order)."""
     for action in actions:
         if action is None:
             continue
         sub = getattr(action, "sub_actions", None)
         if sub:
-            yield from _flatten_actions(sub)
+            yield from flatten_actions(sub)
         else:
             yield action
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par3d.config import Par3DConfig, resolve_layout
+from lightning_par3d.memory.estimate import flatten_actions
 from lightning_par3d.planning.fakeworld import fake_world
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
@@ -77,16 +78,10 @@ def _no_loss(outputs: Any, targets: Any) -> Any:
 
 
 def _compute_actions(actions: Sequence[object]) -> Iterator[Action]:
-    for action in actions:
-        if action is None:
-            continue
-        sub = getattr(action, "sub_actions", None)
-        if sub:
-            yield from _compute_actions(sub)
-            continue
-        kind = str(action.computation_type.value)  # type: ignore[attr-defined]
+    for action in flatten_actions(actions):
+        kind = str(action.computation_type.value)
         if kind in COMPUTE_KINDS:
-            yield Action(int(action.stage_index), kind, int(action.microbatch_index))  # type: ignore[attr-defined]
+            yield Action(int(action.stage_index), kind, int(action.microbatch_index))
 
 
 def _renumbered(actions: list[Action], microbatches: int) -> list[Action]:
