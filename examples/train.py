@@ -4,6 +4,9 @@
     python examples/train.py strategy.tp=2 trainer.devices=2  # any Par3DConfig field from the command line
     python examples/train.py -m strategy.dp_shard=1,2 strategy.tp=2 trainer.devices=4 strategy.dp_replicate=2,1
     python examples/train.py experiment=demo mode=estimate    # each rank's memory, before launching anything
+    python examples/train.py mode=plan trainer.devices=16     # every layout ranked for 16 devices (no launch)
+    python examples/train.py experiment=demo mode=dryrun trainer.devices=64 strategy.dp_shard=8 strategy.tp=4
+                                                              # one step of rank 0 and 32 of 64, here
 
 Lightning launches the other ranks itself (re-running this command); under torchrun or SLURM each rank runs it.
 """
@@ -74,13 +77,76 @@ def estimate(cfg: DictConfig) -> MemoryEstimate:
     return result
 
 
+def plan_layouts(cfg: DictConfig) -> Any:
+    """``mode=plan``: every layout of the model on ``trainer.devices × trainer.num_nodes`` ranks, ranked by
+    :func:`lightning_par3d.plan` for the machine ``plan.machine`` (a profile name, or ``calibrate`` to measure this
+    one), without launching anything. The global batch is the configured run's (``data.batch_size`` per
+    data-parallel rank of the configured layout); strategy sizes set away from their defaults are kept fixed."""
+    from lightning_par3d.config import changed_settings
+    from lightning_par3d.planning import calibrate, plan
+    from lightning_par3d.planning.candidates import FIXED_KEYS
+    from lightning_par3d.planning.plot import plot
+
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    layout = strategy.engine.resolve(world_size)
+    settings = {name: getattr(strategy.config, name) for name in FIXED_KEYS if hasattr(strategy.config, name)}
+    fixed = {name: settings[name] for name in changed_settings(settings)}
+    machine: Any = cfg.plan.machine
+    if machine == "calibrate":
+        machine = calibrate(min(max(world_size, 2), 8))
+    table = plan(
+        instantiate(cfg.model),
+        world_size,
+        cfg.trainer.devices,
+        cfg.plan.device_memory,
+        global_batch=cfg.data.batch_size * layout.dp,
+        seq_len=cfg.data.block_size,
+        precision=str(cfg.trainer.get("precision", "32-true")),
+        machine=machine,
+        fixed=fixed,
+    )
+    print(table.to_markdown(top=cfg.plan.top, group_rejected=True))
+    best = table.best
+    print("\nbest: " + " ".join(f"strategy.{k}={v}" for k, v in best.strategy_arguments().items()))
+    if cfg.plan.plot:
+        print(f"plot: {plot(table, cfg.plan.plot, top=cfg.plan.top)}")
+    return table
+
+
+def dry_run_ranks(cfg: DictConfig) -> Any:
+    """``mode=dryrun``: one training step of chosen ranks (``dryrun.ranks``; default the first rank of every
+    pipeline stage) of the configured layout on ``trainer.devices × trainer.num_nodes`` ranks, each in a process
+    of its own here, over torch's fake process group, on a real batch of the data (:func:`lightning_par3d.dry_run`).
+    """
+    from lightning_par3d.planning import dry_run
+
+    strategy = instantiate(cfg.strategy, _convert_="all", **pretrained_init(cfg))
+    data = instantiate(cfg.data)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    ranks = list(cfg.dryrun.ranks) if cfg.dryrun.ranks is not None else None
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    result = dry_run(instantiate(cfg.model), strategy.config, world_size, batch, ranks=ranks, precision=precision)
+    print(result)
+    return result
+
+
+MODES: dict[str, Any] = {
+    "train": lambda cfg: train(cfg).get("val_loss"),
+    "estimate": lambda cfg: estimate(cfg).peak,
+    "plan": lambda cfg: plan_layouts(cfg).best.step_s,
+    "dryrun": lambda cfg: max(r.peak for r in dry_run_ranks(cfg).ranks),
+}
+"""``mode=`` → what it runs; each returns the number a Hydra sweeper would minimise."""
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> Any:
-    if cfg.mode == "estimate":
-        return estimate(cfg).peak
-    if cfg.mode != "train":
-        raise ValueError(f"mode={cfg.mode!r} is not a mode. Allowed: 'train', 'estimate'.")
-    return train(cfg).get("val_loss")
+    if cfg.mode not in MODES:
+        raise ValueError(f"mode={cfg.mode!r} is not a mode. Allowed: {', '.join(map(repr, MODES))}.")
+    return MODES[cfg.mode](cfg)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from lightning_par3d.parallel.gradients import clip_grad_norm_, total_grad_norm
 from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.parallelize import parallelize
 from lightning_par3d.parallel.styles import STYLE_NAMES
-from lightning_par3d.planning import calibrate, choose_layout, plan
+from lightning_par3d.planning import calibrate, choose_layout, dry_run, plan
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
@@ -45,6 +45,7 @@ __all__ = [
     "calibrate",
     "choose_layout",
     "clip_grad_norm_",
+    "dry_run",
     "estimate_memory",
     "model_state_bytes",
     "parallelize",

@@ -153,3 +153,21 @@ def clear_sharding_propagation_cache() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+def skip_pipeline_metadata_vote() -> None:
+    """For the dry run's own process only (:mod:`lightning_par3d.planning.dry_run`, a fresh interpreter over the
+    fake backend): torch 2.13's pipeline schedules decide between static and dynamic stage metadata by a vote passed
+    from stage to stage over P2P (``_PipelineSchedule._warmup_p2p``), which the fake backend cannot carry (a receive
+    leaves its buffer as it was, so every vote reads "dynamic" and the stages then wait for shapes no peer sends).
+    This replaces the vote with each stage's own answer: static where it was given its inputs and outputs. Public
+    replacement: none yet (an ``inference_mode=`` argument of ``PipelineStage`` would be one)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def own_vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = own_vote  # type: ignore[method-assign]

@@ -40,3 +40,6 @@ FAULT_STEP = 3
 """The step at whose start the fault script injects its fault."""
 FAULT_DATA = dict(max_bytes=257, val_fraction=0.0)
 """The fault script's data: 8 training windows, one global batch per epoch."""
+THREADS_RANKS = 2
+"""Ranks each launch of ``tests/threads_script.py`` starts: on a 2-core machine Lightning's rule gives each 1 thread,
+where torch's default is 2, so a rank that missed the rule shows."""

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "patterns",
         "torch_private",
+        "fresh_interpreter",
         "parallel.styles",
         "parallel.local_styles",
         "pipeline.schedules",

@@ -1,8 +1,8 @@
 """Every rank gets the CPU threads Lightning's own strategies give it, as a user launches the job.
 
 Each launch runs ``tests/threads_script.py`` with the real interpreter, and Lightning's subprocess launcher starts
-its 4 ranks, as ``python train.py`` with ``devices=4`` does. par3d's Trainer and Fabric strategies must give every
-rank what Lightning's ``DDPStrategy`` gives it in the same kind of launch: ``cores // 4`` threads (at least 1) and
+its 2 ranks, as ``python train.py`` with ``devices=2`` does. par3d's Trainer and Fabric strategies must give every
+rank what Lightning's ``DDPStrategy`` gives it in the same kind of launch: ``cores // 2`` threads (at least 1) and
 that number in ``OMP_NUM_THREADS``, or, where the user set ``OMP_NUM_THREADS``, what torch makes of the user's value.
 Before the fix the ranks Lightning's launcher started kept torch's default (every core each), and pure data
 parallelism ran 5× slower than DDP on 4 CPU ranks. The launches are background cases (``tests/background.py``):
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests import background
+from tests.constants import THREADS_RANKS as RANKS
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_THREADS = {"none": None, "user": "3"}
@@ -32,7 +33,7 @@ def _free_port() -> int:
 
 
 def launch(folder: Path, front: str, strategy: str, user_threads: str | None) -> dict[int, dict[str, Any]]:
-    """``python tests/threads_script.py`` with 4 ranks; each rank's threads and ``OMP_NUM_THREADS``."""
+    """``python tests/threads_script.py`` with its ranks; each rank's threads and ``OMP_NUM_THREADS``."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     if user_threads is not None:
@@ -40,7 +41,7 @@ def launch(folder: Path, front: str, strategy: str, user_threads: str | None) ->
     command = [sys.executable, "tests/threads_script.py", str(folder), front, strategy]
     done = background.run(command, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {rank: json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(4)}
+    return {rank: json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(RANKS)}
 
 
 def _case(front: str, strategy: str, user: str) -> Any:
@@ -59,7 +60,7 @@ def _check(par3d: dict, ddp: dict, user: str) -> None:
     from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
     assert par3d == ddp, f"{user}: par3d {par3d} against Lightning's DDPStrategy {ddp}"
-    omp = USER_THREADS[user] or str(_suggested_max_num_threads(4))
+    omp = USER_THREADS[user] or str(_suggested_max_num_threads(RANKS))
     assert all(rank["omp"] == omp for rank in par3d.values()), (user, par3d)
     if USER_THREADS[user] is None:  # with the user's value, torch decides (it may cap it at the cores)
         assert all(rank["threads"] == int(omp) for rank in par3d.values()), (user, par3d)

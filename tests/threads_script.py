@@ -1,8 +1,8 @@
-"""Launches 4 CPU ranks as a user does and records each rank's CPU threads.
+"""Launches 2 CPU ranks as a user does and records each rank's CPU threads.
 
     python tests/threads_script.py OUT trainer|fabric par3d|ddp
 
-runs ``Trainer(devices=4, strategy=...)`` (one training step of a linear model) or ``Fabric(devices=4,
+runs ``Trainer(devices=2, strategy=...)`` (one training step of a linear model) or ``Fabric(devices=2,
 strategy=...).launch()`` through Lightning's own subprocess launcher, and every rank writes ``OUT/rank<r>.json`` with
 ``torch.get_num_threads()`` and ``OMP_NUM_THREADS`` as that rank's own training code sees them.
 """
@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.constants import THREADS_RANKS as RANKS
 
 
 def record(out: Path, rank: int) -> None:
@@ -50,13 +52,13 @@ def strategy(name: str, front: str) -> Any:
     from lightning_par3d import Par3DFabricStrategy, Par3DStrategy
 
     cls = Par3DStrategy if front == "trainer" else Par3DFabricStrategy
-    return cls(dp_replicate=4, dp_shard=1, timeout_s=120)
+    return cls(dp_replicate=RANKS, dp_shard=1, timeout_s=120)
 
 
 def main(out: Path, front: str, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if front == "fabric":
-        fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy(name, front))
+        fabric = L.Fabric(accelerator="cpu", devices=RANKS, strategy=strategy(name, front))
         fabric.launch()
         record(out, fabric.global_rank)
         fabric.barrier()
@@ -64,7 +66,7 @@ def main(out: Path, front: str, name: str) -> None:
     data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=RANKS,
         strategy=strategy(name, front),
         max_steps=1,
         logger=False,

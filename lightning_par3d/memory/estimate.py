@@ -40,7 +40,7 @@ from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
 from lightning_par3d.parallel import parallelize as build
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.parallel.precision import check_precision
+from lightning_par3d.parallel.precision import autocast, check_precision
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.runner import torch_schedule
 from lightning_par3d.pipeline.trunk import declared_pipeline
@@ -291,14 +291,6 @@ def _measure_stages(
     return results
 
 
-def _autocast(precision: str) -> Any:
-    """The autocast a ``-mixed`` run's forward runs under (so that saved activations have its dtypes)."""
-    from contextlib import nullcontext
-
-    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    return torch.autocast("cpu", dtype=low) if low is not None else nullcontext()
-
-
 @dataclass
 class _Part:
     """Pipeline stage ``stage`` of the model (the whole model without pipelining), as a run builds it."""
@@ -322,7 +314,7 @@ class _Part:
             with self.fake:
                 part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn)
                 hooks = _block_meters(blocks, meter, sizes)
-                with _autocast(self.precision), meter:
+                with autocast(self.precision), meter:
                     run()
                 for hook in hooks:
                     hook.remove()
@@ -331,7 +323,7 @@ class _Part:
         with self.fake:
             part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn)
             shapes = _tp_local_shapes(part)
-            with _autocast(self.precision), meter:
+            with autocast(self.precision), meter:
                 output = run()
         detached = output.detach() if isinstance(output, Tensor) else None
         return _StageMeasure(shapes, meter.peak, recompute, detached)

@@ -102,7 +102,7 @@ def parallelize(
     metrics = detach_metrics(module)  # torchmetrics states would not survive meta and to_empty
     metric_shots = _rank0_metric_states(metrics)
     state = capture_rank0_state(module, dist.get_rank())
-    from_rank0 = _any_rank0(state.captured)
+    from_rank0 = _any_rank0(state.captured, device)
     if spec is None or stage_plan is None:
         checkpointed = parallelize_part(module, mesh, config, precision, fqn_styles, blocks)
         stage_modules: list[nn.Module] = []
@@ -333,15 +333,15 @@ def _rank0_metric_states(detached: list[Any]) -> list[Any]:
     metrics = metrics_in(detached)
     if not metrics:
         return []
-    box: list[Any] = [snapshot(metrics) if dist.get_rank() == 0 else None]
+    box: list[Any] = [snapshot(metrics)]  # every rank's own, so that a dry run's rank (which hears none) has one
     dist.broadcast_object_list(box, src=0)
     return list(box[0])
 
 
-def _any_rank0(captured: bool) -> bool:
+def _any_rank0(captured: bool, device: torch.device) -> bool:
     """Whether rank 0 captured real weights; all ranks must agree before the broadcast collective."""
     import torch.distributed as dist
 
-    flag = [captured]
-    dist.broadcast_object_list(flag, src=0)
-    return bool(flag[0])
+    flag = torch.tensor([int(captured)], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())

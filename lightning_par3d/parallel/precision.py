@@ -50,6 +50,15 @@ def check_precision(precision: str, zero_stage: int) -> None:
         )
 
 
+def autocast(precision: str, device_type: str = "cpu") -> Any:
+    """The ``torch.autocast`` a ``-mixed`` precision's forward runs under (as Lightning's precision plugin wraps
+    the step), else a context that does nothing."""
+    from contextlib import nullcontext
+
+    low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return torch.autocast(device_type, dtype=low) if low is not None else nullcontext()
+
+
 def fsdp_mixed_precision(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2's policy for ``precision``: low-precision gathered parameters and fp32 gradient reduction for the
     ``-mixed`` modes; None (FSDP2's default: the parameters' own dtype) otherwise."""

@@ -191,6 +191,13 @@ def _zero_loss(outputs: Any, targets: Any) -> torch.Tensor:
     return first.sum() * 0.0
 
 
+STATIC_STAGE_IO: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+"""Stage index → example (inputs, outputs) of one microbatch (meta tensors), handed to torch's ``PipelineStage`` as
+its static metadata. Filled only by the dry run (:mod:`lightning_par3d.planning.dry_run`), whose fake process group
+cannot carry the shapes that stages otherwise exchange at the first step; empty in a run, whose stages infer their
+metadata from the first microbatch."""
+
+
 def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.device) -> PipelineRunner:
     """The torch ``PipelineStage`` objects for this rank's stage modules, and the layout's torch schedule over
     them."""
@@ -202,7 +209,7 @@ def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.
     pp_group = mesh["pp"].get_group()
     indices = layout.stage_indices(mesh.coords(rank).pp)
     stages = [
-        PipelineStage(module, index, layout.n_stages, device, group=pp_group)
+        PipelineStage(module, index, layout.n_stages, device, group=pp_group, **_static_io(index))
         for module, index in zip(stage_modules, indices, strict=True)
     ]
     runner = PipelineRunner(
@@ -215,6 +222,13 @@ def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.
     )
     runner.schedule = torch_schedule(layout, stages, runner._scaled_loss, scale_grads=False)
     return runner
+
+
+def _static_io(index: int) -> dict[str, Any]:
+    if index not in STATIC_STAGE_IO:
+        return {}
+    inputs, outputs = STATIC_STAGE_IO[index]
+    return {"input_args": inputs, "output_args": outputs}
 
 
 def torch_schedule(layout: Layout, stages: list[Any], loss_fn: LossFn, **options: Any) -> Any:

@@ -16,12 +16,15 @@
 * :mod:`~lightning_par3d.planning.cost`: the step-time formulas;
 * :mod:`~lightning_par3d.planning.machine`: machines, links and profiles (with their sources);
 * :mod:`~lightning_par3d.planning.calibrate`: measuring this machine;
+* :mod:`~lightning_par3d.planning.dry_run`: chosen ranks of an N-rank layout run for real, one process each, over
+  the fake process group;
 * :mod:`~lightning_par3d.planning.table`, :mod:`~lightning_par3d.planning.plot`: the result, as text and picture.
 """
 
 from lightning_par3d.planning.calibrate import calibrate
 from lightning_par3d.planning.candidates import SearchSpace
 from lightning_par3d.planning.cost import StepTime, predict_step
+from lightning_par3d.planning.dry_run import DryRun, DryRunRank, dry_run
 from lightning_par3d.planning.machine import PROFILES, Link, Machine, machine_profile
 from lightning_par3d.planning.planner import choose_layout, plan
 from lightning_par3d.planning.plot import plot
@@ -30,6 +33,8 @@ from lightning_par3d.planning.table import PlanRow, PlanTable
 
 __all__ = [
     "PROFILES",
+    "DryRun",
+    "DryRunRank",
     "Link",
     "Machine",
     "PlanRow",
@@ -38,6 +43,7 @@ __all__ = [
     "StepTime",
     "calibrate",
     "choose_layout",
+    "dry_run",
     "machine_profile",
     "plan",
     "plot",
