@@ -59,28 +59,6 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def flatten_mesh(mesh: Any, name: str, backend_override: Any = None) -> Any:
-    """``mesh`` (a sub-mesh of several dimensions) flattened into one dimension called ``name``, with its own
-    process group: par3d's ``dp`` = ``dp_replicate × dp_shard``. Public replacement: none in torch 2.13
-    (torchtitan and FSDP2 call the same method).
-
-    Private: ``DeviceMesh._flatten``."""
-    return mesh._flatten(name, backend_override=backend_override)
-
-
-def nccl_options(timeout: timedelta) -> Any:
-    """``ProcessGroupNCCL.Options`` carrying ``timeout`` (for a ``DeviceMesh``'s sub-groups, which otherwise get
-    torch's default timeout). Gloo has a public constructor (``ProcessGroupGloo.Options(backend, timeout)``); NCCL's
-    takes no timeout.
-
-    Private: the ``_timeout`` attribute of ``ProcessGroupNCCL.Options``."""
-    import torch.distributed as dist
-
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return options
-
-
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Runs ``callback`` once the current backward pass ends (the ZeRO optimizer's last gradient buckets). Public
     replacement: none; FSDP2 and DDP's Python reducer use the same call.

@@ -37,10 +37,30 @@ def pool8() -> Iterator[DistPool]:
     yield pool(8)
 
 
+POOL_FIXTURES = {"pool2": 2, "pool4": 4, "pool8": 8}
+
+
+def pools_of(item: pytest.Item) -> set[int]:
+    """The world sizes of the pools a test asks for."""
+    return {POOL_FIXTURES[name] for name in getattr(item, "fixturenames", ()) if name in POOL_FIXTURES}
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests that check background cases run last, when their cases have had the whole session to run."""
-    items.sort(key=lambda item: bool(background.cases_of(item)))  # stable: the order within each part is kept
+    """Tests run by the pool they use: first those without one, then those of 2 ranks, of 4, of 8, so that each pool
+    starts once and no idle pool waits beside a busy one (an idle worker's gloo groups still poll). The tests that
+    check background cases run last, when their cases have had the whole session to run. Within each part the
+    collection order is kept."""
+    items.sort(key=lambda item: (bool(background.cases_of(item)), max(pools_of(item), default=0)))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Stops the pools this test does not use: with the order above, a pool is done once the next size starts (a
+    stopped pool starts again if a later test runs a job on it)."""
+    wanted = pools_of(item)
+    for size, stopped in _POOLS.items():
+        if size not in wanted:
+            stopped.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -41,10 +41,11 @@ import torch
 import torch.multiprocessing as mp
 
 RECYCLE_THREADS = 64
-"""A worker past this many OS threads is recycled after its job. par3d keeps each layout's mesh for the life of the
-process (torch's DTensor caches its sharding decisions by mesh), and every gloo group of a mesh has a transport thread
-that polls its sockets, idle or not: a worker that has trained at many layouts burns CPU while it waits (about a
-quarter of a 2-core machine by the end of the suite, measured). Starting afresh costs a few seconds."""
+"""A worker past this many OS threads is recycled after its job: every gloo group has a transport thread that wakes
+every 10 ms, idle or not, so threads that pile up (a job that makes its own groups) burn CPU while the worker waits.
+par3d's own groups do not pile up (one per set of ranks, :mod:`lightning_par3d.parallel.groups`): a 4-rank worker
+that has trained at every layout of the suite holds about 20 threads. Starting afresh costs 10 s of CPU or more (the
+process group, the first DTensor ops), so a recycle is rare by design."""
 
 PRELOAD = [
     "torch",
@@ -95,7 +96,19 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
+def _die_with_parent() -> None:
+    """On Linux, this worker gets SIGKILL when its parent (the fork server, which ends with the pytest process) ends:
+    a pytest that crashed leaves no idle workers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, outbox: Any) -> None:
+    _die_with_parent()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

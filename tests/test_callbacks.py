@@ -105,7 +105,11 @@ class WallClock(L.Callback):
         self.ends.append(time.perf_counter())
 
 
-def observed_job(strategy: dict, devices: int, out: str, delay: float = 0.0, steps: int = 10) -> dict:
+def observed_job(
+    strategy: dict, devices: int, out: str, delay: float = 0.0, steps: int = 10, estimate: bool = False
+) -> dict:
+    """10 steps with ``MemoryStats`` (and its estimate, where asked for: a fresh interpreter on rank 0 at the end of
+    fit) and ``BottleneckReport`` sampling 3 steps; what they measured, and what each rank holds counted apart."""
     from examples.data import ShakespeareDataModule
     from examples.gpt import GPTModule
     from lightning_par3d import Par3DStrategy
@@ -121,7 +125,7 @@ def observed_job(strategy: dict, devices: int, out: str, delay: float = 0.0, ste
 
     L.seed_everything(0, verbose=False)
     par3d = Par3DStrategy(timeout_s=120, **strategy)
-    memory = MemoryStats(dirpath=out, log_every_n_steps=1)
+    memory = MemoryStats(dirpath=out, log_every_n_steps=1, estimate=estimate)
     report = BottleneckReport(skip_first=3, steps=3, dirpath=out)
     logger = L.pytorch.loggers.CSVLogger(out, name="logs")
     kwargs = trainer_kwargs(max_steps=steps, logger=logger)
@@ -155,11 +159,18 @@ def _png(path: Path) -> tuple[int, ...]:
     return matplotlib.image.imread(path).shape
 
 
+@pytest.fixture(scope="module")
+def observed_dp2_tp2(pool4: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """One observed run at dp_shard=2 × tp=2 with the estimate, for the tests of both callbacks."""
+    out = tmp_path_factory.mktemp("observed_dp2_tp2")
+    return pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(out), estimate=True), out
+
+
 @pytest.mark.dist
-def test_memory_stats_match_independent_counts(pool4, tmp_path: Path):
+def test_memory_stats_match_independent_counts(pool4, observed_dp2_tp2):
     """dp_shard=2 × tp=2 (every dimension divisible: no padding). Parameter bytes equal the sum of each rank's
     local shards, optimizer bytes the sum of its state tensors; activations agree with the estimator's."""
-    results = pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(tmp_path))
+    results, tmp_path = observed_dp2_tp2
     for rank, got in enumerate(results):
         records = got["records"]
         assert [r["step"] for r in records] == list(range(1, 11))
@@ -239,8 +250,8 @@ def test_the_pipeline_bubble_is_the_top_bottleneck_at_pp4_with_4_microbatches(po
 
 
 @pytest.mark.dist
-def test_buckets_account_for_the_measured_step_with_tp_and_dp(pool4, tmp_path: Path):
-    results = pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(tmp_path))
+def test_buckets_account_for_the_measured_step_with_tp_and_dp(pool4, observed_dp2_tp2):
+    results, _ = observed_dp2_tp2
     _assert_buckets_account_for_the_step(results)
     findings = dict((bucket, fraction) for bucket, fraction, _ in results[0]["findings"])
     assert findings["tp_comm"] > 0 and findings["dp_comm"] > 0  # both kinds of collectives were seen

@@ -114,12 +114,18 @@ def test_fit_then_test_validate_predict_and_fit_again_in_3d(pool8):
 
 def many_fits(strategy: dict[str, Any], fits: int, rebuild_meshes: bool = False) -> list[tuple[int, int]]:
     """``fits`` fits of fresh Trainers and modules in this process; OS threads and open descriptors after each.
-    ``rebuild_meshes`` is the sabotage: a new mesh for every fit, as before meshes were shared."""
+    ``rebuild_meshes`` is the sabotage: a new mesh and new groups for every fit, as before they were shared."""
     from lightning_par3d.parallel import groups
 
     original = groups.acquire_mesh
     if rebuild_meshes:
-        groups.acquire_mesh = lambda layout, *a, **k: (groups._MESHES.clear(), original(layout, *a, **k))[1]
+
+        def rebuilt(layout: Any, *args: Any, **kwargs: Any) -> Any:
+            groups._MESHES.clear()
+            groups._GROUPS.clear()
+            return original(layout, *args, **kwargs)
+
+        groups.acquire_mesh = rebuilt
     try:
         counts = []
         for _ in range(fits):
@@ -141,7 +147,7 @@ def test_threads_and_descriptors_stay_flat_over_eight_fits(pool2, strategy):
 
 
 def test_the_flatness_check_sees_a_leak(pool2):
-    """The check above can fail: with a new mesh per fit (the old behaviour) the thread count climbs."""
+    """The check above can fail: with new groups per fit (the old behaviour) the thread count climbs."""
     counts = pool2.run(many_fits, strategy=dict(dp_shard=2), fits=3, rebuild_meshes=True)[0]
     threads = [c[0] for c in counts]
     assert threads[-1] - threads[0] >= 8, threads

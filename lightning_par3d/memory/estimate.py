@@ -29,7 +29,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
 from lightning_par3d.parallel import parallelize as build
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
+from lightning_par3d.parallel.groups import fake_group
 from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.precision import autocast, check_precision
 from lightning_par3d.parallel.tensor_parallel import local_tensor
@@ -282,7 +282,7 @@ def _measure_stages(
     results: list[_StageMeasure] = []
     with _fake_world(layout.world_size):
         # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
-        mesh = Par3DMesh.build(layout, "cpu", "fake", timedelta(minutes=30))
+        mesh = Par3DMesh.build(layout, "cpu", fake_group)
         for stage in range(layout.n_stages):
             part = _Part(module, config, mesh, stage, precision, fake)
             result = part.measure(carried, microbatch, loss_fn)

@@ -1,17 +1,22 @@
-"""Process groups as resources: one mesh per layout and process, reused by every run of that layout.
+"""Process groups as resources: one group per set of ranks, one mesh per layout, for the life of the process.
 
-Every gloo or NCCL group holds threads, sockets and (on GPUs) memory. A long-lived process (a Hydra multirun, a
-notebook, a pooled test worker) runs many fits; a mesh built per fit and never destroyed piles up groups (twelve
-threads per fit at dp_shard=2 on gloo). par3d therefore keeps the meshes it builds in one list per process, and
-:func:`acquire_mesh` returns the existing mesh of the same layout, backend and timeout: twenty fits at one layout
-create one set of groups, and a model parallelized by one ``fit`` keeps working in ``test`` or a second ``fit``.
+Every gloo or NCCL group holds threads, sockets and (on GPUs) memory; a gloo group's transport thread also wakes up
+every 10 ms while idle. A long-lived process (a Hydra multirun, a notebook, a pooled test worker) runs many fits, at
+one layout or at many. par3d therefore keeps two caches per process:
 
-Meshes are not destroyed between runs, on purpose. torch's DTensor caches its sharding decisions keyed by
-``DeviceMesh`` equality, which compares layouts and ranks, not process groups: a mesh destroyed and built again
-with the same shape (or with an equal sub-mesh: the ``tp`` slice of ``dp2 × tp2`` equals that of
-``replicate2 × tp2``) would be served cached specs that point at the destroyed groups ("Could not resolve the
-process group registered under the name 11"). Keeping them bounds the groups by the number of distinct layouts a
-process uses. They go when the default group does (Lightning and Accelerate destroy it at exit), or earlier with
+* the process groups, one per set of ranks (with its backend and timeout), made by :func:`group_of`: every layout of
+  a world draws its groups from the same few sets (the ``tp`` pairs ``{0, 1}, {2, 3}`` of ``dp2 × tp2`` are those
+  of ``pp2 × tp2``), so a process that trains at every layout of 8 ranks holds a bounded number of groups, where a
+  mesh per layout would add five groups per layout;
+* the meshes, one per layout, backend and timeout (:func:`acquire_mesh`): twenty fits at one layout build one mesh,
+  and a model parallelized by one ``fit`` keeps working in ``test`` or a second ``fit``.
+
+Neither is emptied between runs, on purpose. torch's DTensor caches its sharding decisions keyed by ``DeviceMesh``
+equality, which compares layouts and ranks, not process groups: a mesh destroyed and built again with the same shape
+(or with an equal sub-mesh: the ``tp`` slice of ``dp2 × tp2`` equals that of ``replicate2 × tp2``) would be served
+cached specs that point at the destroyed groups ("Could not resolve the process group registered under the name
+11"). With one group per set of ranks, equal meshes always hold the same groups, so such a cached spec is right.
+Both go when the default group does (Lightning and Accelerate destroy it at exit), or earlier with
 :func:`destroy_meshes`.
 """
 
@@ -33,6 +38,9 @@ take longer than a collective timeout chosen to catch stalls, so the join gets a
 
 _MESHES: dict[tuple[Any, ...], Par3DMesh] = {}
 """The meshes built in this process over the current default group, by (shape, backend, timeout, device type)."""
+_GROUPS: dict[tuple[Any, ...], Any] = {}
+"""The process groups made by :func:`group_of` over the current default group, by (ranks, backend, timeout): the
+group, or torch's ``NON_GROUP_MEMBER`` on the ranks outside it."""
 _WORLD: list[Any] = [None]
 """The default group the meshes were built over."""
 
@@ -82,7 +90,27 @@ def _forget_if_world_changed() -> None:
         for mesh in _MESHES.values():
             mesh.destroyed = True  # its groups went with the old default group
         _MESHES.clear()
+        _GROUPS.clear()
         _WORLD[0] = world
+
+
+def group_of(ranks: list[int], backend: str, timeout_s: float) -> Any:
+    """The process group of ``ranks`` (global ranks), made on first use with ``backend`` and ``timeout_s`` for its
+    collectives, and kept. Every rank of the world calls it for the same sets in the same order (torch's
+    ``new_group`` is a collective over the default group); a rank outside ``ranks`` gets ``NON_GROUP_MEMBER``."""
+    import torch.distributed as dist
+
+    _forget_if_world_changed()
+    key = (tuple(sorted(ranks)), backend, float(timeout_s))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key[0]), timeout=timedelta(seconds=timeout_s), backend=backend)
+    return _GROUPS[key]
+
+
+def fake_group(ranks: list[int]) -> Any:
+    """:func:`group_of` over torch's fake backend (collectives that move nothing), for the estimator and the
+    planner, which build the run's mesh in a simulated world."""
+    return group_of(ranks, "fake", 1800.0)
 
 
 def acquire_mesh(layout: Layout, device: torch.device, backend: str, timeout_s: float) -> Par3DMesh:
@@ -92,7 +120,7 @@ def acquire_mesh(layout: Layout, device: torch.device, backend: str, timeout_s: 
     key = (layout.shape, backend, float(timeout_s), device.type)
     mesh = _MESHES.get(key)
     if mesh is None:
-        mesh = Par3DMesh.build(layout, device.type, backend, timedelta(seconds=timeout_s))
+        mesh = Par3DMesh.build(layout, device.type, lambda ranks: group_of(ranks, backend, timeout_s))
         _MESHES[key] = mesh
     elif mesh.layout != layout:
         # The same groups; the layout's other facts (ZeRO, schedule) are this run's.
@@ -101,16 +129,24 @@ def acquire_mesh(layout: Layout, device: torch.device, backend: str, timeout_s: 
 
 
 def destroy_meshes() -> int:
-    """Destroys the process groups of every mesh par3d built in this process; returns how many meshes.
+    """Destroys the process groups par3d made in this process (never the default group) and forgets its meshes;
+    returns how many meshes there were.
 
     Call it when no model parallelized over them will run again (every rank at the same point, as
     ``destroy_process_group``): models built afterwards get new groups, but torch's DTensor caches may still hand
     out the destroyed meshes for equal ones (see the module docstring), so do it at the end of the work, before
     destroying the default group yourself.
     """
+    import torch.distributed as dist
+
     _forget_if_world_changed()
     meshes = list(_MESHES.values())
     for mesh in meshes:
-        mesh.destroy()
+        mesh.destroyed = True
+    live = [group for group in _GROUPS.values() if isinstance(group, dist.ProcessGroup)]
     _MESHES.clear()
+    _GROUPS.clear()
+    if dist.is_initialized():
+        for group in live:
+            dist.destroy_process_group(group)
     return len(meshes)

@@ -2,19 +2,18 @@
 
 :class:`Par3DMesh` answers layout questions (a rank's coordinates, the ranks of its groups, its pipeline neighbours)
 with plain arithmetic, so it works and is tested without processes. :meth:`Par3DMesh.build` adds the real
-``DeviceMesh`` once the default process group exists; every sub-group, the flattened ``dp`` group included, gets
-the configured collective timeout. :meth:`Par3DMesh.destroy` destroys the sub-groups it created (never the default
-group); :mod:`lightning_par3d.parallel.groups` decides when.
+``DeviceMesh`` once the default process group exists, from process groups that
+:mod:`lightning_par3d.parallel.groups` owns (one per set of ranks, shared by every layout that has it, each with the
+configured collective timeout) through torch's public ``DeviceMesh.from_group``; the flattened ``dp`` group too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from lightning_par3d.config import Layout
-from lightning_par3d.torch_private import flatten_mesh, nccl_options
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,8 +44,7 @@ class Par3DMesh:
         self.layout = layout
         self._device_mesh = device_mesh
         self._dp_mesh = dp_mesh
-        """The flattened ``dp`` mesh as :func:`~lightning_par3d.torch_private.flatten_mesh` returned it (slicing it from
-        the root is deprecated)."""
+        """The flattened ``dp`` mesh (``dp_replicate × dp_shard`` as one dimension)."""
         self.destroyed = False
 
     @property
@@ -111,46 +109,41 @@ class Par3DMesh:
             return self._dp_mesh
         return self.device_mesh[name]
 
+    def all_group_ranks(self) -> dict[str, list[list[int]]]:
+        """Every group of each kind in :data:`GROUP_NAMES`, as its ranks in mesh order: the whole partition of the
+        world along that dimension (``dp``: along ``dp_replicate`` and ``dp_shard`` together)."""
+        import torch
+
+        ranks = torch.arange(self.layout.world_size).reshape(self.shape)
+        found = {name: ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist() for i, name in enumerate(DIM_NAMES)}
+        found["dp"] = ranks.permute(0, 3, 1, 2).reshape(-1, self.layout.dp).tolist()
+        return found
+
     @classmethod
-    def build(cls, layout: Layout, device_type: str, backend: str, timeout: timedelta) -> Par3DMesh:
-        """Creates the ``DeviceMesh`` (and the flattened ``dp`` group) over the initialized default group. Every
-        rank must call it (it creates process groups)."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build(cls, layout: Layout, device_type: str, group_of: Callable[[list[int]], Any]) -> Par3DMesh:
+        """Creates the ``DeviceMesh`` and the flattened ``dp`` mesh over the initialized default group.
 
-        options = _backend_options(backend, timeout)
-        override: Any = {name: (backend, options) for name in DIM_NAMES} if options is not None else None
-        mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=DIM_NAMES, backend_override=override)
-        dp = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp", (backend, options) if options else None)
-        return cls(layout, mesh, dp)
-
-    def process_groups(self) -> list[Any]:
-        """This rank's process groups of the mesh: one per dimension, and the flattened ``dp`` group."""
-        if self._device_mesh is None or self.destroyed:
-            return []
-        mesh = self._device_mesh
-        groups = [mesh.get_group(name) for name in DIM_NAMES]
-        if self._dp_mesh is not None:
-            groups.append(self._dp_mesh.get_group())
-        unique: list[Any] = []
-        for group in groups:
-            if all(group is not seen for seen in unique):
-                unique.append(group)
-        return unique
-
-    def destroy(self) -> None:
-        """Destroys the mesh's process groups (never the default group) and releases their threads and sockets.
-        Every rank of the world must call it at the same point, in the same order relative to other meshes."""
+        ``group_of(ranks)`` gives the process group of a set of ranks (:func:`lightning_par3d.parallel.groups.
+        group_of` creates it once and keeps it). Every rank calls it for every group of the layout, its own or not,
+        in the same order, as torch's ``new_group`` needs; the mesh holds the ones this rank belongs to."""
+        import torch
         import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
 
-        if self.destroyed:
-            return
-        groups = self.process_groups()
-        self.destroyed = True
-        if not dist.is_initialized():
-            return  # the world is gone, and every group with it
-        for group in groups:
-            if group is not dist.group.WORLD and _is_live(group):
-                dist.destroy_process_group(group)
+        rank = dist.get_rank()
+        arithmetic = cls(layout)
+        mine: dict[str, tuple[Any, list[int]]] = {}
+        for name, sets in arithmetic.all_group_ranks().items():
+            for ranks in sets:
+                group = group_of(ranks)
+                if rank in ranks:
+                    mine[name] = (group, ranks)
+        every_rank = torch.arange(layout.world_size).reshape(layout.shape)
+        dims = [mine[name][0] for name in DIM_NAMES]
+        mesh = DeviceMesh.from_group(dims, device_type, mesh=every_rank, mesh_dim_names=DIM_NAMES)
+        dp_group, dp_ranks = mine["dp"]
+        dp = DeviceMesh.from_group(dp_group, device_type, mesh=dp_ranks, mesh_dim_names=("dp",))
+        return cls(layout, mesh, dp)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.layout.world_size:
@@ -159,27 +152,3 @@ class Par3DMesh:
     @staticmethod
     def _same_except(a: Coords, b: Coords, free: tuple[str, ...]) -> bool:
         return all(getattr(a, n) == getattr(b, n) for n in DIM_NAMES if n not in free)
-
-
-def _is_live(group: Any) -> bool:
-    """Whether ``group`` is still registered (not destroyed yet, by another mesh object over the same groups):
-    ``get_backend`` refuses a group the world no longer knows."""
-    import torch.distributed as dist
-
-    try:
-        dist.get_backend(group)
-    except ValueError:
-        return False
-    return True
-
-
-def _backend_options(backend: str, timeout: timedelta) -> Any:
-    """Process-group options that carry ``timeout`` to the mesh's sub-groups (they default to 30 minutes)."""
-    import torch.distributed as dist
-
-    if backend == "gloo":
-        # At run time this is Backend.Options(backend, timeout); torch's stub describes gloo's private _Options.
-        return dist.ProcessGroupGloo.Options(backend, timeout)  # type: ignore[call-arg]
-    if backend == "nccl" and dist.is_nccl_available():
-        return nccl_options(timeout)
-    return None

@@ -25,7 +25,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -403,6 +402,7 @@ def stage_params(
 ) -> list[StageParams]:
     """Each stage's parameter shapes on tensor-parallel rank 0 and its FSDP2 units (see the module docstring)."""
     from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d.parallel.groups import fake_group
     from lightning_par3d.parallel.mesh import Par3DMesh
     from lightning_par3d.parallel.tensor_parallel import local_tensor
     from lightning_par3d.planning.fakeworld import fake_world
@@ -413,7 +413,7 @@ def stage_params(
         fqn_styles = build.checked_plan(parts.root, plain, layout.tp)
         tp_layout = Layout(pp=1, dp_replicate=1, dp_shard=1, tp=layout.tp)
         with fake_world(layout.tp), _quiet():
-            mesh = Par3DMesh.build(tp_layout, "cpu", "fake", timedelta(minutes=30))
+            mesh = Par3DMesh.build(tp_layout, "cpu", fake_group)
             for part in parts.stages:
                 styles = (
                     fqn_styles if parts.trunk_attr is None else build.stage_styles(fqn_styles, part, parts.trunk_attr)
