@@ -24,6 +24,8 @@ from lightning_par3d.pipeline.schedules import (
 AC_MODES = ("none", "full", "selective", "op")
 """Activation checkpointing modes (see :mod:`lightning_par3d.parallel.activation_checkpoint`)."""
 INIT_MODES = ("rank0", "meta", "pretrained")
+LAYOUT_MODES = (None, "auto")
+"""``layout=``: the sizes as given (None), or chosen at launch (``"auto"``)."""
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")
 
@@ -144,6 +146,27 @@ class Par3DConfig:
     timeout_s: float = 1800.0
     """Timeout in seconds of every collective. A rank that waits longer raises instead of hanging."""
 
+    layout: str | None = None
+    """``"auto"``: choose the layout at launch. Every rank measures the job's devices and links at once, rank 0 ranks
+    every layout of the world with :func:`lightning_par3d.plan` (memory per rank from the estimator, predicted time
+    per sample) and every rank trains with the fastest that fits. Sizes and settings set here away from their
+    defaults (``tp=2``, ``zero_stage=3``, ``pipeline_schedule="gpipe"``) stay fixed; the others are searched: the
+    four sizes, the ZeRO stage, the pipeline schedule and microbatches, activation checkpointing. None: the sizes as
+    given."""
+
+    plan_machine: str | None = None
+    """With ``layout="auto"``: a hardware profile to predict with (``lightning_par3d.planning.PROFILES``, e.g.
+    ``"h100-sxm-8"``) instead of measuring the job's own devices at launch (None)."""
+
+    plan_device_memory: int | str | None = None
+    """With ``layout="auto"``: the memory of one device the layout must fit in, bytes or a size (``"40GiB"``).
+    None: the device's own (a GPU's total memory; on CPUs the machine's memory shared by its local ranks)."""
+
+    plan_batch: list[int] | None = None
+    """With ``layout="auto"``: ``[samples per data-parallel rank, sequence length]`` of a training batch, which the
+    planner sizes activations and time by. None: read at launch from the training dataloader (its ``batch_size``
+    and the first sample's last dimension; Fabric, which has no dataloader then, needs it given)."""
+
     @classmethod
     def from_accelerate(cls, parallelism_config: Any, **fields: Any) -> Par3DConfig:
         """The par3d config of an Accelerate ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` and
@@ -172,6 +195,8 @@ class Par3DConfig:
             self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
         if not isinstance(self.split_points, list):
             self.split_points = list(self.split_points)
+        if self.plan_batch is not None and not isinstance(self.plan_batch, list):
+            self.plan_batch = list(self.plan_batch)
 
 
 def field_settings(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -329,8 +354,33 @@ def _check_init(config: Par3DConfig, errors: _Errors) -> None:
         )
 
 
+def _check_auto(config: Par3DConfig, errors: _Errors) -> None:
+    if config.layout not in LAYOUT_MODES:
+        errors.add(
+            f"layout={config.layout!r} is not a layout mode. Allowed: None (the sizes as given) or 'auto' (chosen at "
+            "launch by lightning_par3d.plan)."
+        )
+        return
+    planning = {name: getattr(config, name) for name in ("plan_machine", "plan_device_memory", "plan_batch")}
+    given = [f"{name}={value!r}" for name, value in planning.items() if value is not None]
+    if config.layout is None and given:
+        errors.add(
+            f"{', '.join(given)} set, but layout=None: they tell layout='auto' how to plan. Set layout='auto', or "
+            "drop them."
+        )
+    batch = config.plan_batch
+    if batch is not None and (
+        len(batch) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in batch)
+    ):
+        errors.add(
+            f"plan_batch={batch!r} must be [samples per data-parallel rank, sequence length], two positive integers "
+            "(e.g. [8, 2048])."
+        )
+
+
 def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     """Checks that need no world size."""
+    _check_auto(config, errors)
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
     _check_positive_int(errors, "dp_replicate", config.dp_replicate, "data-parallel replicas")
@@ -482,6 +532,12 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
     if world_size is None or errors.messages:
         errors.raise_if_any()
         return None
+    if config.layout == "auto":
+        raise ValueError(
+            "layout='auto' is chosen at launch, once the model and the batch are known (Par3DEngine.choose_layout, "
+            "which the strategies call): resolve the configuration it returns, or plan beforehand with "
+            "lightning_par3d.plan(...)."
+        )
     dp_shard = _resolve_dp_shard(config, world_size, errors)
     layout = Layout(
         pp=config.pp,

@@ -17,6 +17,10 @@ loop) maps its framework's hooks onto these calls, in this order::
     engine.save(path, {"step": step}, [engine.optimizer_state(optimizer)])   # DCP; optimizer_0, optimizer_1, …
     engine.teardown()                                  # closes hooks; the mesh stays for the next run
 
+With ``Par3DConfig(layout="auto")`` the layout is chosen at launch: ``resolve`` checks what it can and ``setup``
+joins the default group but builds no mesh; :meth:`choose_layout` (every rank, with the model and the batch's
+shape) plans, and builds the mesh of the layout it chose.
+
 A model parallelized once stays parallelized: :meth:`parallelize` called again with the same module (Lightning's
 ``fit`` then ``test``, a second ``fit``, a new engine in the same process) reuses it, and refuses it with a clear
 error if the layout differs. One mesh per layout serves every run of that layout in the process
@@ -124,8 +128,11 @@ class Par3DEngine:
         """Set per batch by a front-end whose framework clears gradients only after the step function (Lightning):
         the pipeline then clears them before its backward, on the first batch of each accumulation window."""
         self._layout: Layout | None = None
+        self._world: tuple[int, str] | None = None
+        """The world size and device type :meth:`resolve` was given."""
         self._mesh: Par3DMesh | None = None
         self._device: torch.device | None = None
+        self._backend = "gloo"
         self._module: nn.Module | None = None
         self._forward_module: nn.Module | None = None
         self._record: _ModelRecord | None = None
@@ -134,20 +141,34 @@ class Par3DEngine:
         self._steps = 0
 
     # ---------------------------------------------------------------- before any process group
-    def resolve(self, world_size: int, device_type: str = "cpu") -> Layout:
+    def resolve(self, world_size: int, device_type: str = "cpu") -> Layout | None:
         """Validates the configuration against the world size, the precision and the device type, and fixes the
-        layout. Raises ``ValueError`` listing every problem; call it before any process is launched."""
+        layout (None under ``layout="auto"``, whose layout :meth:`choose_layout` fixes at launch). Raises
+        ``ValueError`` listing every problem; call it before any process is launched."""
+        self._world = (world_size, device_type)
+        check_compression_device(self.config.grad_compression, device_type)
+        if self.awaits_layout:
+            from lightning_par3d.planning.at_launch import check_before_launch
+
+            resolve_layout(self.config)  # the checks that need no world size
+            check_before_launch(self.config, world_size)
+            return None
         layout = resolve_layout(self.config, world_size)
         assert layout is not None
         check_precision(self.precision, layout.zero)
-        check_compression_device(self.config.grad_compression, device_type)
         self._layout = layout
         return layout
 
     @property
     def is_resolved(self) -> bool:
-        """Whether :meth:`resolve` has fixed the layout (front-ends resolve lazily, once devices are known)."""
-        return self._layout is not None
+        """Whether :meth:`resolve` has checked the configuration against the world (front-ends resolve lazily, once
+        devices are known)."""
+        return self._world is not None
+
+    @property
+    def awaits_layout(self) -> bool:
+        """Whether the layout is still to be chosen at launch (``layout="auto"``, before :meth:`choose_layout`)."""
+        return self.config.layout == "auto" and self._layout is None
 
     @property
     def is_set_up(self) -> bool:
@@ -156,30 +177,70 @@ class Par3DEngine:
 
     @property
     def layout(self) -> Layout:
+        if self._layout is None and self.config.layout == "auto":
+            raise RuntimeError(
+                "layout='auto': the layout is chosen at launch, when the model is set up (the Trainer's setup; "
+                "Fabric's setup_module, which must come before setup_dataloaders; Accelerate's prepare of the model "
+                "with its dataloader; Par3DEngine.choose_layout); it is known after that."
+            )
         if self._layout is None:
             raise RuntimeError("The par3d layout is known once the world size is: call Par3DEngine.resolve() first.")
         return self._layout
 
     # ---------------------------------------------------------------- processes
-    def setup(self, device: torch.device, backend: str | None = None) -> Par3DMesh:
+    def setup(self, device: torch.device, backend: str | None = None) -> None:
         """Initializes the default process group from the environment if nobody has (torchrun's variables), then
-        takes the mesh for the layout (built, or shared with an earlier engine of the same layout). Every rank must
-        call it."""
+        takes the mesh for the layout (built, or shared with an earlier engine of the same layout); under
+        ``layout="auto"`` the mesh waits for :meth:`choose_layout`. Every rank must call it."""
         import torch.distributed as dist
 
         self._device = device
-        if self._layout is None:
+        if not self.is_resolved:
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
             self.resolve(world, device.type)
-        backend = groups.init_default_group(device, self.config.timeout_s, backend)
+        self._backend = groups.init_default_group(device, self.config.timeout_s, backend)
         groups.set_collective_timeout(self.config.timeout_s)  # also when a front-end created the group
+        if not self.awaits_layout:
+            self._take_mesh()
+
+    def _take_mesh(self) -> None:
+        import torch.distributed as dist
+
         if dist.get_world_size() != self.layout.world_size:
             raise ValueError(
                 f"The par3d layout ({self.layout}) needs {self.layout.world_size} processes, but the process group "
                 f"has {dist.get_world_size()}. Launch {self.layout.world_size} processes, or change the sizes."
             )
-        self._mesh = groups.acquire_mesh(self.layout, device, backend, self.config.timeout_s)
-        return self._mesh
+        self._mesh = groups.acquire_mesh(self.layout, self.device, self._backend, self.config.timeout_s)
+
+    def choose_layout(
+        self, module: nn.Module | None, rank_batch: int, seq_len: int, devices_per_node: int | None = None
+    ) -> Layout:
+        """``layout="auto"``: plans the layout at launch (every rank, after :meth:`setup`, before the model is
+        parallelized; see :mod:`lightning_par3d.planning.at_launch`), makes the chosen configuration this engine's,
+        and builds its mesh. ``module`` is the model before ``configure_model`` (a LightningModule, or a factory of
+        an ``nn.Module``), needed on rank 0 only; ``rank_batch`` and ``seq_len`` are a training batch's samples per
+        data-parallel rank and tokens per sample; ``devices_per_node`` defaults to the launcher's
+        ``LOCAL_WORLD_SIZE``."""
+        import torch.distributed as dist
+
+        from lightning_par3d.planning.at_launch import choose_at_launch
+
+        if not self.awaits_layout:
+            raise RuntimeError("Par3DEngine.choose_layout() is for layout='auto', once, after setup().")
+        world = dist.get_world_size()
+        local = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        world_ranks = list(range(world))
+        self.config = choose_at_launch(
+            self.config, module, world_size=world, devices_per_node=local, rank_batch=rank_batch, seq_len=seq_len,
+            precision=self.precision, device=self.device,
+            world_group=groups.group_of(world_ranks, self._backend, self.config.timeout_s),
+        )  # fmt: skip
+        self._world = None
+        layout = self.resolve(world, self.device.type)
+        assert layout is not None
+        self._take_mesh()
+        return layout
 
     @property
     def mesh(self) -> Par3DMesh:

@@ -35,14 +35,19 @@ def _optimizer(params: Any, **options: Any) -> torch.optim.Optimizer:
 
 
 def single_process_loop(
-    steps: int = 6, accumulate: int = 1, clip: float | None = None, n_layer: int = 2, skip: int = 0
+    steps: int = 6,
+    accumulate: int = 1,
+    clip: float | None = None,
+    n_layer: int = 2,
+    skip: int = 0,
+    global_batch: int = GLOBAL_BATCH,
 ) -> dict[str, Any]:
     """The reference: one process, plain torch; per-batch losses and the final parameters."""
     torch.manual_seed(SEED)
     model = GPT(GPTConfig(**{**GPT_MODEL, "n_layer": n_layer}))
     optimizer = _optimizer(model.parameters())
     losses = []
-    for i, (x, y) in enumerate(itertools.islice(_data(GLOBAL_BATCH), steps * accumulate)):
+    for i, (x, y) in enumerate(itertools.islice(_data(global_batch), steps * accumulate)):
         loss = gpt_loss(model(x), y)
         (loss / accumulate).backward()
         losses.append(loss.item())
@@ -77,17 +82,19 @@ def accelerate_loop(
     start: int = 0,
     plain_backward: bool = False,
     optimizer_options: dict[str, Any] | None = None,
+    rank_batch: int | None = None,
 ) -> dict[str, Any]:
     """The loop of the README through ``Par3DAccelerator``: batches ``start`` to ``steps`` (× ``accumulate``),
     optionally loading a ``save_state`` checkpoint first and saving one at the end; ``optimizer_options`` go to
-    AdamW."""
+    AdamW. Each data-parallel rank reads ``GLOBAL_BATCH / dp`` samples a step, or ``rank_batch`` (``layout="auto"``,
+    whose dp is chosen in ``prepare``); the result's ``dp`` is the one trained."""
     accelerator = _accelerator(strategy, gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision)
     torch.manual_seed(SEED)
     with accelerator.init_empty_weights():
         model = GPT(GPTConfig(**{**GPT_MODEL, "n_layer": n_layer}))
     # before prepare, as Accelerate scripts do: it follows the shards
     optimizer = _optimizer(model.parameters(), **(optimizer_options or {}))
-    loader = _data(GLOBAL_BATCH // accelerator.dp_size)
+    loader = _data(rank_batch or GLOBAL_BATCH // accelerator.dp_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if load_from is not None:
         accelerator.load_state(load_from)
@@ -106,7 +113,7 @@ def accelerate_loop(
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     if save_to is not None:
         accelerator.save_state(save_to)
-    return {"losses": losses, "params": full_state(accelerator.unwrap_model(model))}
+    return {"losses": losses, "params": full_state(accelerator.unwrap_model(model)), "dp": accelerator.dp_size}
 
 
 def fabric_loop(
@@ -144,4 +151,4 @@ def fabric_loop(
     params = full_state(model)
     if params is not None:
         params = {k.removeprefix("trunk."): v for k, v in params.items()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "layout": engine.layout}

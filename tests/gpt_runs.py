@@ -86,11 +86,14 @@ def run_reference(
     max_steps: int = 6,
     model: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    global_batch: int = GLOBAL_BATCH,
     **trainer_overrides: Any,
 ) -> dict:
     """The single-process run (Lightning's default strategy on one CPU device): trained once per session for each
     distinct run (many modules compare with the same one), and handed out as a fresh dict of the same tensors."""
     spec = dict(max_steps=max_steps, model={**MODEL, **(model or {})}, data={**DATA, **(data or {})})
+    if global_batch != GLOBAL_BATCH:
+        spec["global_batch"] = global_batch
     done = _train_reference(json.dumps({**spec, **trainer_overrides}, sort_keys=True))
     return {"losses": list(done["losses"]), "params": dict(done["params"])}
 
@@ -99,11 +102,12 @@ def run_reference(
 def _train_reference(spec: str) -> dict:
     run = json.loads(spec)
     max_steps, model, data = run.pop("max_steps"), run.pop("model"), run.pop("data")
+    global_batch = run.pop("global_batch", GLOBAL_BATCH)
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **run))
     module = GPTModule(**model)
-    trainer.fit(module, ReferenceData(batch_size=GLOBAL_BATCH, **data))
+    trainer.fit(module, ReferenceData(batch_size=global_batch, **data))
     return {"losses": recorder.losses, "params": full_state(module)}
 
 
@@ -118,10 +122,13 @@ def run_par3d(
     global_seed: int = SEED,
     keep_module: bool = False,
     extra_callbacks: list[L.Callback] | None = None,
+    rank_batch: int | None = None,
     **trainer_overrides: Any,
 ) -> dict:
     """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields. ``keep_module`` adds the
-    trained LightningModule to the result (for jobs that inspect it before returning)."""
+    trained LightningModule to the result (for jobs that inspect it before returning). Each data-parallel rank reads
+    ``GLOBAL_BATCH / dp`` samples a step, or ``rank_batch`` (``layout="auto"``, whose dp is chosen at launch); the
+    result's ``layout`` is the one trained."""
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(global_seed, verbose=False)
@@ -133,8 +140,8 @@ def run_par3d(
     overrides = dict(max_steps=max_steps, enable_checkpointing=ckpt_dir is not None, **trainer_overrides)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **trainer_kwargs(**overrides))
     module = GPTModule(**{**MODEL, **(model or {})})
-    dp = par3d.layout.dp
-    datamodule = ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **{**DATA, **(data or {})})
+    batch_size = rank_batch if rank_batch is not None else GLOBAL_BATCH // par3d.layout.dp
+    datamodule = ShakespeareDataModule(batch_size=batch_size, **{**DATA, **(data or {})})
     trainer.fit(module, datamodule, ckpt_path=resume_from)
     saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -144,5 +151,6 @@ def run_par3d(
         "metrics": metrics,
         "params": full_state(module),
         "saved": saved,
+        "layout": par3d.layout,
     }
     return {**result, "module": module} if keep_module else result

@@ -98,6 +98,10 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         pretrained_path: str | None = None,
         seed: int | None = None,
         timeout_s: float = 1800.0,
+        layout: str | None = None,
+        plan_machine: str | None = None,
+        plan_device_memory: int | str | None = None,
+        plan_batch: list[int] | None = None,
         **kwargs: Any,
     ) -> None:
         config = _config(par3d, parallelism_config, locals())

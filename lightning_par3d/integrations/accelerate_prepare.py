@@ -22,10 +22,12 @@ from accelerate.utils import convert_outputs_to_fp32
 from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel.model_changes import set_attribute
 from lightning_par3d.pipeline.trunk import PipelineHost
+from lightning_par3d.planning.at_launch import batch_shape, meta_copy
 
 
 class PreparedForPar3D(Accelerator):
@@ -40,10 +42,26 @@ class PreparedForPar3D(Accelerator):
         """Accelerate's ``prepare``: models, then optimizers (pointed at the prepared parameters), schedulers and
         dataloaders, in one call or several."""
         self._prepared_in_this_call = []
+        if self.engine.awaits_layout:
+            self._choose_layout(args)
         try:
             return super().prepare(*args, device_placement=device_placement)
         finally:
             self._prepared_in_this_call = []
+
+    def _choose_layout(self, args: tuple[Any, ...]) -> None:
+        """``layout="auto"``: the layout chosen here, for the first model among ``args`` and the shape of a batch of
+        their first dataloader (or ``plan_batch``)."""
+        model = next((arg for arg in args if isinstance(arg, nn.Module)), None)
+        if model is None:
+            raise RuntimeError(
+                "layout='auto' chooses the layout when the model is prepared: pass the model (and its training "
+                "dataloader) to the first prepare() call."
+            )
+        loader = next((arg for arg in args if isinstance(arg, DataLoader)), None)
+        rank_batch, seq_len = batch_shape(self.engine.config, loader, "prepare()'s arguments")
+        plan_module = meta_copy(model) if self.is_main_process else None
+        self.engine.choose_layout(plan_module, rank_batch, seq_len)
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

@@ -29,6 +29,7 @@ from lightning_par3d.config import Layout, Par3DConfig, config_from
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel import groups
 from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.planning.at_launch import batch_shape
 
 T = TypeVar("T")
 
@@ -154,13 +155,26 @@ class LightningFrontEnd:
 
     @property
     def layout(self: Any) -> Layout:
-        """The resolved layout, known once Lightning has set devices and nodes; resolving it runs every check that
-        needs the world size, before any process is launched."""
+        """The resolved layout, known once Lightning has set devices and nodes (under ``layout="auto"``, once it is
+        chosen at launch: after ``setup``)."""
+        self.resolve_world()
+        return self.engine.layout
+
+    def resolve_world(self: Any) -> None:
+        """Runs every check that needs the world size, once Lightning has set devices and nodes, before any process
+        is launched; fixes the layout unless ``layout="auto"`` chooses it at launch."""
         if not self.engine.is_resolved:
             self._note_precision()
             device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self.engine.resolve(self.num_nodes * self.num_processes, device_type)
-        return self.engine.layout
+
+    def plan_layout(self: Any, module: torch.nn.Module, loader: Any, where: str) -> None:
+        """``layout="auto"``: every rank plans the layout now (:meth:`Par3DEngine.choose_layout
+        <lightning_par3d.engine.Par3DEngine.choose_layout>`), with ``module`` (a meta copy, before
+        ``configure_model``) and the shape of a batch of ``loader`` (or ``plan_batch``; ``where`` names the loader
+        in the error if neither tells it)."""
+        rank_batch, seq_len = batch_shape(self.engine.config, loader, where)
+        self.engine.choose_layout(module if self.global_rank == 0 else None, rank_batch, seq_len, self.num_processes)
 
     def _note_precision(self) -> None:
         """Tells the engine the precision before the layout is resolved (Fabric; the Trainer does it when Lightning
@@ -189,7 +203,7 @@ class LightningFrontEnd:
         other local ranks only where the cluster environment does not (never in them, nor under torchrun or
         SLURM), and in every process it gives torch ``cores // local processes`` threads unless the user set
         ``OMP_NUM_THREADS``. The layout is validated first, before any process is launched."""
-        _ = self.layout
+        self.resolve_world()
         assert self.cluster_environment is not None
         self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 

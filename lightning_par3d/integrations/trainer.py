@@ -9,32 +9,31 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_par3d.config import Par3DConfig
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_checkpoints import ShardedCheckpoints
+from lightning_par3d.integrations.lightning_collectives import LayoutCollectives
 from lightning_par3d.integrations.lightning_logging import LogRelay
 from lightning_par3d.integrations.lightning_pipeline import HeldGradients, PipelinedSteps
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
 from lightning_par3d.integrations.registration import register_trainer_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.pipeline.trunk import install_loss
+from lightning_par3d.planning.at_launch import meta_copy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints, ParallelStrategy):
+class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints, LayoutCollectives, ParallelStrategy):
     """Trains an unchanged LightningModule at any mix of data, tensor and pipeline parallelism.
 
     Give the settings either as a :class:`~lightning_par3d.config.Par3DConfig` or as its fields::
@@ -49,7 +48,8 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
     :meth:`Par3DEngine.parallelize <lightning_par3d.engine.Par3DEngine.parallelize>` then applies the layout. The
     configuration is validated when the strategy is created and again, with the world size, before any process is
     launched. Mixins: the parts shared with Fabric (``lightning_shared.LightningFrontEnd``), the pipelined steps
-    (``lightning_pipeline``) and the sharded checkpoints (``lightning_checkpoints``).
+    (``lightning_pipeline``), the sharded checkpoints (``lightning_checkpoints``) and the collectives
+    (``lightning_collectives``).
     """
 
     strategy_name = "par3d"
@@ -91,6 +91,10 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         pretrained_path: str | None = None,
         seed: int | None = None,
         timeout_s: float = 1800.0,
+        layout: str | None = None,
+        plan_machine: str | None = None,
+        plan_device_memory: int | str | None = None,
+        plan_batch: list[int] | None = None,
     ) -> None:
         self.engine = shared.engine_for(type(self).__name__, config, locals())
         super().__init__(
@@ -102,6 +106,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         )
         self._process_group_backend = process_group_backend
         self._held_grads = HeldGradients()  # see PipelinedSteps
+        self._plan_copy: Any = None  # layout="auto": the module before configure_model, on rank 0
         self.num_nodes = 1
 
     @property
@@ -138,11 +143,15 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
 
     @override
     def setup_environment(self) -> None:
-        _ = self.layout  # raises before the process group exists if the sizes do not fit
+        self.resolve_world()  # raises before the process group exists if the sizes do not fit
         super().setup_environment()
         self.start_distributed()
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.device_mesh
+        module = self.lightning_module
+        assert module is not None
+        if self.engine.awaits_layout:  # layout="auto": planned in setup, with the module before configure_model
+            self._plan_copy = meta_copy(module)
+        else:
+            module._device_mesh = self.device_mesh
 
     # ---------------------------------------------------------------- model
     @contextmanager
@@ -162,6 +171,9 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         # must not be cast after sharding.
         module = self.lightning_module
         assert module is not None
+        if self.engine.awaits_layout:  # Lightning's own resolution of the training data
+            self.plan_layout(self._plan_copy, trainer.fit_loop._data_source.dataloader(), "the training dataloader")
+            module._device_mesh = self.device_mesh
         self.model = self.engine.parallelize(module)
         shared.point_at_device(module, self.root_device)
         spec = self.engine.pipeline_spec
@@ -195,27 +207,6 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         """Skips the gradient reduction on the non-final batches of ``accumulate_grad_batches``."""
         with self.engine.no_sync():
             yield
-
-    # ---------------------------------------------------------------- collectives
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        """What ``self.log(..., sync_dist=True)`` calls: reduces over the data-parallel ranks only (tensor-parallel
-        peers hold the same value; every pipeline rank logs the last stage's), unless a ``group`` is given. Ranks at
-        different pipeline stages are in different data-parallel groups, so their logged keys never pair."""
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if group is not None:
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return self.engine.reduce(tensor, reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Agreed over every rank (ModelCheckpoint, EarlyStopping)."""
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
-        return bool(flag == self.world_size) if all else bool(flag)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

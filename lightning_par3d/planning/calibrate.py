@@ -16,6 +16,10 @@ with one GPU each) and each, at the same time as the others (so that processes s
 
 On one machine nothing crosses a network, so the link across nodes is the one within (give ``inter_node=`` for a
 real network). It takes a few seconds beyond starting the processes (each imports torch).
+
+:func:`calibrate_job` measures the same figures inside a running job, on its own ranks and process group (what
+``layout="auto"`` plans with): every rank calls it at the same point; the random number generators are left as they
+were, so the training that follows draws what it would have drawn.
 """
 
 from __future__ import annotations
@@ -70,12 +74,36 @@ def calibrate(
         start_method="spawn",
     )
     measured: dict[str, Any] = results.get()
+    measured["calibration_s"] = time.perf_counter() - started
+    return _machine(measured, n, backend, f"calibrated ({n} {backend} processes, {cores} cores)", inter_node)
+
+
+def calibrate_job(device: torch.device, group: Any, *, seconds: float = 0.3, inter_node: Link | None = None) -> Machine:
+    """The figures of the job this process is a rank of, measured by all its ranks at once over its default process
+    group (every rank must call it at the same point); ``group`` is a process group of every rank, for the DTensor
+    figure. The link measured is the world's: across nodes too, where the job spans several (``inter_node`` sets the
+    network's apart)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    started = time.perf_counter()
+    n = dist.get_world_size()
+    mesh = DeviceMesh.from_group(group, device.type)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        measured = _measure(n, device, seconds, mesh)
+    measured["calibration_s"] = time.perf_counter() - started
+    backend = str(dist.get_backend())
+    name = f"measured at launch ({n} {backend} ranks, {os.cpu_count() or 1} cores per node)"
+    return _machine(measured, n, backend, name, inter_node)
+
+
+def _machine(measured: dict[str, Any], n: int, backend: str, name: str, inter_node: Link | None) -> Machine:
     link = _fit_link(measured["collectives"], n)
     gpu = backend == "nccl"
     figures = {k: v for k, v in measured.items() if k != "collectives"}
-    figures["calibration_s"] = time.perf_counter() - started
     return Machine(
-        name=f"calibrated ({n} {backend} processes, {cores} cores)",
+        name=name,
         matmul_flops={"fp32": measured["fp32_flops"], "bf16": measured["bf16_flops"], "fp16": measured["bf16_flops"]},
         op_overhead_s=measured["op_s"],
         dtensor_op_overhead_s=measured["dtensor_op_s"],
@@ -126,24 +154,34 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        start = time.perf_counter()
-        figures = {
-            "fp32_flops": _slowest(_matmul_flops(torch.float32, device, seconds), device, minimum=True),
-            "bf16_flops": _slowest(_matmul_flops(torch.bfloat16, device, seconds / 2), device, minimum=True),
-            "op_s": _slowest(_op_seconds(device, seconds), device),
-            "dtensor_op_s": _slowest(_dtensor_op_seconds(n, device, seconds / 2), device),
-            "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
-        }
-        collectives = []
-        for kind in ("all_reduce", "all_gather"):
-            for size in COLLECTIVE_SIZES:
-                collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
-        figures["measuring_s"] = time.perf_counter() - start
+        from torch.distributed.device_mesh import init_device_mesh
+
+        figures = _measure(n, device, seconds, init_device_mesh(device.type, (n,)))
         if rank == 0:
-            results.put({**figures, "collectives": collectives})
+            results.put(figures)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure(n: int, device: torch.device, seconds: float, mesh: Any) -> dict[str, Any]:
+    """Every figure of the module docstring, the slowest rank's, on every rank (each rank of the ``n`` must call it
+    at once; ``mesh`` is a 1-D mesh of them all)."""
+    start = time.perf_counter()
+    figures: dict[str, Any] = {
+        "fp32_flops": _slowest(_matmul_flops(torch.float32, device, seconds), device, minimum=True),
+        "bf16_flops": _slowest(_matmul_flops(torch.bfloat16, device, seconds / 2), device, minimum=True),
+        "op_s": _slowest(_op_seconds(device, seconds), device),
+        "dtensor_op_s": _slowest(_dtensor_op_seconds(mesh, n, device, seconds / 2), device),
+        "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
+    }
+    collectives = []
+    for kind in ("all_reduce", "all_gather"):
+        for size in COLLECTIVE_SIZES:
+            collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
+    figures["measuring_s"] = time.perf_counter() - start
+    figures["collectives"] = collectives
+    return figures
 
 
 def _sync(device: torch.device) -> None:
@@ -201,11 +239,9 @@ def _op_seconds(device: torch.device, seconds: float) -> float:
     return elapsed / calls / ops
 
 
-def _dtensor_op_seconds(n: int, device: torch.device, seconds: float) -> float:
-    from torch.distributed.device_mesh import init_device_mesh
+def _dtensor_op_seconds(mesh: Any, n: int, device: torch.device, seconds: float) -> float:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh(device.type, (n,))
     shard = distribute_tensor(torch.zeros(16 * n, device=device), mesh, [Shard(0)])
     calls, elapsed = _timed(lambda: shard.mul_(1.0), seconds, device)
     return elapsed / calls

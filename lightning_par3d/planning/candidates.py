@@ -158,9 +158,10 @@ def _pipelines(pp: int, space: SearchSpace, fixed: Mapping[str, Any], options: A
 
 
 def rejection(
-    config: Par3DConfig, world_size: int, devices_per_node: int, global_batch: int
+    config: Par3DConfig, world_size: int, devices_per_node: int, global_batch: int | None, rank_batch: int | None = None
 ) -> tuple[Layout | None, str | None]:
-    """The resolved layout, or why this configuration cannot run (before looking at the model)."""
+    """The resolved layout, or why this configuration cannot run (before looking at the model). The batch is
+    ``global_batch`` over every data-parallel rank, or ``rank_batch`` on each."""
     try:
         layout = resolve_layout(config, world_size)
     except ValueError as error:
@@ -171,12 +172,14 @@ def rejection(
             f"tp={layout.tp} would put tensor-parallel groups across nodes of {devices_per_node} devices; their "
             f"collectives run in every layer. Keep tp a divisor of {devices_per_node}."
         )
-    if global_batch % layout.dp:
-        return layout, (
-            f"the global batch of {global_batch} does not split over dp={layout.dp} data-parallel ranks. Use a "
-            f"dp that divides {global_batch}, or a batch that is a multiple of {layout.dp}."
-        )
-    rank_batch = global_batch // layout.dp
+    if rank_batch is None:
+        assert global_batch is not None
+        if global_batch % layout.dp:
+            return layout, (
+                f"the global batch of {global_batch} does not split over dp={layout.dp} data-parallel ranks. Use a "
+                f"dp that divides {global_batch}, or a batch that is a multiple of {layout.dp}."
+            )
+        rank_batch = global_batch // layout.dp
     if layout.pp > 1 and rank_batch % layout.microbatches:
         return layout, (
             f"the per-rank batch of {rank_batch} samples does not split into microbatches={layout.microbatches}. "

@@ -45,8 +45,9 @@ def plan(
     devices_per_node: int | None = None,
     device_memory: int | float | str | None = None,
     *,
-    global_batch: int,
+    global_batch: int | None = None,
     seq_len: int,
+    rank_batch: int | None = None,
     precision: str = "32-true",
     machine: Machine | str = DEFAULT_MACHINE,
     fixed: Mapping[str, Any] | None = None,
@@ -61,7 +62,9 @@ def plan(
     ``module`` is a LightningModule (not yet configured: ``configure_model`` runs on copies that hold no storage) or
     a factory returning an ``nn.Module`` (then ``loss_fn(outputs, targets)``; pipelining needs a LightningModule
     that declares its trunk). ``global_batch`` samples of ``seq_len`` tokens make one optimizer step over all
-    data-parallel ranks. ``machine`` is a :class:`~lightning_par3d.planning.machine.Machine` (e.g. from
+    data-parallel ranks; or, as a Lightning dataloader gives them, ``rank_batch`` samples per data-parallel rank
+    (give one of the two): every layout then takes ``rank_batch × dp`` samples a step, and the layouts are ranked by
+    time per sample, not per step. ``machine`` is a :class:`~lightning_par3d.planning.machine.Machine` (e.g. from
     :func:`~lightning_par3d.planning.calibrate.calibrate`) or a profile name (:data:`~lightning_par3d.planning.
     machine.PROFILES`), which also gives ``devices_per_node`` and ``device_memory`` where they are None.
     ``device_memory`` is bytes or a size such as ``"80GiB"``. ``fixed`` pins sizes or settings (``{"tp": 2}``);
@@ -74,8 +77,8 @@ def plan(
     """
     check_no_process_group("plan()")
     setup = _Setup.checked(
-        world_size, devices_per_node, device_memory, global_batch, seq_len, precision, machine, fixed,
-        search, base, optimizer,
+        world_size, devices_per_node, device_memory, _Batch.checked(global_batch, rank_batch), seq_len, precision,
+        machine, fixed, search, base, optimizer,
     )  # fmt: skip
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
@@ -96,7 +99,7 @@ def plan(
         world_size,
         setup.devices_per_node,
         setup.device_memory,
-        global_batch,
+        setup.batch.describe(),
         seq_len,
         precision,
         setup.machine,
@@ -120,11 +123,47 @@ def choose_layout(
 
 
 @dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The batch of a step: ``global_batch`` over all data-parallel ranks, or ``rank_batch`` on each of them."""
+
+    global_batch: int | None
+    rank_batch: int | None
+
+    @classmethod
+    def checked(cls, global_batch: Any, rank_batch: Any) -> _Batch:
+        if (global_batch is None) == (rank_batch is None):
+            raise ValueError(
+                f"Cannot plan: give the batch as global_batch (samples per step over every data-parallel rank) or "
+                f"as rank_batch (samples per data-parallel rank, as a Lightning dataloader's batch_size), one of "
+                f"the two; got global_batch={global_batch!r}, rank_batch={rank_batch!r}."
+            )
+        return cls(global_batch, rank_batch)
+
+    def problems(self) -> list[str]:
+        name, value = (
+            ("global_batch", self.global_batch) if self.rank_batch is None else ("rank_batch", self.rank_batch)
+        )
+        return [] if _positive_int(value) else [f"{name}={value!r}: give a positive integer."]
+
+    def per_rank(self, layout: Layout) -> int | None:
+        """Samples per data-parallel rank at ``layout``; None where the global batch does not split over its dp."""
+        if self.rank_batch is not None:
+            return self.rank_batch
+        assert self.global_batch is not None
+        return self.global_batch // layout.dp if self.global_batch % layout.dp == 0 else None
+
+    def describe(self) -> str:
+        if self.rank_batch is not None:
+            return f"{self.rank_batch} per data-parallel rank"
+        return f"global batch {self.global_batch}"
+
+
+@dataclasses.dataclass(frozen=True)
 class _Setup:
     world_size: int
     devices_per_node: int
     device_memory: int
-    global_batch: int
+    batch: _Batch
     seq_len: int
     precision: str
     machine: Machine
@@ -139,7 +178,7 @@ class _Setup:
         world_size: Any,
         devices_per_node: Any,
         device_memory: Any,
-        global_batch: Any,
+        batch: _Batch,
         seq_len: Any,
         precision: str,
         machine: Machine | str,
@@ -154,7 +193,7 @@ class _Setup:
         device_memory = machine.device_memory if device_memory is None else device_memory
         problems = _world_problems(world_size, devices_per_node, machine.name)
         memory = _memory_bytes(device_memory, machine.name, problems)
-        problems += _run_problems(global_batch, seq_len, precision, optimizer)
+        problems += batch.problems() + _run_problems(seq_len, precision, optimizer)
         if problems:
             raise ValueError("Cannot plan:\n" + "\n".join(f"  - {p}" for p in problems))
         base = base if base is not None else Par3DConfig()
@@ -163,7 +202,7 @@ class _Setup:
         check_fixed(fixed, world_size)
         assert memory is not None
         return cls(
-            world_size, devices_per_node, memory, global_batch, seq_len, precision, machine, fixed,
+            world_size, devices_per_node, memory, batch, seq_len, precision, machine, fixed,
             search or SearchSpace(), base, optimizer,
         )  # fmt: skip
 
@@ -201,15 +240,11 @@ def _memory_bytes(device_memory: Any, machine: str, problems: list[str]) -> int 
     return memory
 
 
-def _run_problems(global_batch: Any, seq_len: Any, precision: str, optimizer: str) -> list[str]:
+def _run_problems(seq_len: Any, precision: str, optimizer: str) -> list[str]:
     from lightning_par3d.parallel.precision import PRECISIONS
     from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS
 
-    problems = [
-        f"{name}={value!r}: give a positive integer."
-        for name, value in (("global_batch", global_batch), ("seq_len", seq_len))
-        if not _positive_int(value)
-    ]
+    problems = [] if _positive_int(seq_len) else [f"seq_len={seq_len!r}: give a positive integer."]
     if precision not in PRECISIONS:
         problems.append(f"precision={precision!r}: par3d trains with one of {', '.join(map(repr, PRECISIONS))}.")
     if optimizer not in OPTIMIZER_STATE_LAYOUTS:
@@ -291,7 +326,8 @@ def _evaluate(
 ) -> PlanRow:
     from lightning_par3d.parallel.precision import check_precision
 
-    layout, reason = rejection(config, setup.world_size, setup.devices_per_node, setup.global_batch)
+    layout, reason = rejection(config, setup.world_size, setup.devices_per_node, setup.batch.global_batch,
+                               setup.batch.rank_batch)  # fmt: skip
     if reason is not None or layout is None:
         return PlanRow(config, layout, reason=reason)
     checkpointing = config.activation_checkpointing != "none"
@@ -305,7 +341,8 @@ def _evaluate(
             reason = str(error)
     if reason is not None:
         return PlanRow(config, layout, reason=reason)
-    rank_batch = setup.global_batch // layout.dp
+    rank_batch = setup.batch.per_rank(layout)
+    assert rank_batch is not None  # rejection() refused a global batch that does not split
     works = probes.work(layout)
     try:
         estimate = memory.estimate(config, layout, rank_batch, any(w.block_forward_flops for w in works))
@@ -322,10 +359,10 @@ def _evaluate(
             f"{format_bytes(worst.state.total)}, activations {format_bytes(worst.activations + worst.recompute)}), "
             f"more than the {format_bytes(setup.device_memory)} of a device"
         )
-        return PlanRow(config, layout, estimate, time, fits=False, reason=why)
+        return PlanRow(config, layout, estimate, time, fits=False, reason=why, samples=rank_batch * layout.dp)
     if not checkpointing:
         fits_plainly.add(layout)
-    return PlanRow(config, layout, estimate, time, fits=True)
+    return PlanRow(config, layout, estimate, time, fits=True, samples=rank_batch * layout.dp)
 
 
 def _nothing_fits(table: PlanTable) -> str:
@@ -337,7 +374,7 @@ def _nothing_fits(table: PlanTable) -> str:
             f"No layout of {table.model} on {table.world_size} ranks fits device_memory="
             f"{format_bytes(table.device_memory)}: the smallest, {smallest.describe()}, needs "
             f"{format_bytes(smallest.memory.peak)} per rank. Give more memory per device or more devices, a smaller "
-            "global_batch or seq_len, or allow more of the search (fixed=..., search=SearchSpace(zero_stages=(3,), "
+            "batch or seq_len, or allow more of the search (fixed=..., search=SearchSpace(zero_stages=(3,), "
             "activation_checkpointing=('full',)))."
         )
     reasons: dict[str, int] = {}

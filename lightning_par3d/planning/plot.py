@@ -39,7 +39,7 @@ def plot(table: PlanTable, path: str, top: int = 20) -> str:
     ax.set_xlabel(f"predicted step time ({unit})")
     ax.set_xlim(0, max(left) * 1.15)
     ax.set_title(
-        f"{table.model or 'model'}: {table.world_size} ranks, batch {table.global_batch}×{table.seq_len}, "
+        f"{table.model or 'model'}: {table.world_size} ranks, {table.batch} × {table.seq_len} tokens, "
         f"{table.precision} — machine {table.machine.name}",
         fontsize=10,
     )

@@ -25,6 +25,8 @@ class PlanRow:
     fits: bool = False
     reason: str | None = None
     """Why the layout cannot run here (None for a layout that fits)."""
+    samples: int | None = None
+    """Samples a step takes at this layout (over every data-parallel rank), where its step was predicted."""
 
     @property
     def peak_memory(self) -> int | None:
@@ -33,6 +35,13 @@ class PlanRow:
     @property
     def step_s(self) -> float | None:
         return self.time.total if self.time is not None else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Predicted throughput: the step's samples over its time."""
+        if self.time is None or not self.samples or self.time.total <= 0:
+            return None
+        return self.samples / self.time.total
 
     def describe(self) -> str:
         """The layout in one short line: sizes, ZeRO stage, schedule and checkpointing."""
@@ -83,7 +92,8 @@ class PlanTable:
     world_size: int
     devices_per_node: int
     device_memory: int
-    global_batch: int
+    batch: str
+    """The batch of a step, in words: ``"global batch 16"`` or ``"4 per data-parallel rank"``."""
     seq_len: int
     precision: str
     machine: Machine
@@ -129,8 +139,9 @@ class PlanTable:
 
 
 def _rank_key(row: PlanRow) -> tuple[int, float, str]:
+    """Fitting layouts by time per sample (at one global batch, by step time), then by memory, then the rest."""
     if row.fits and row.time is not None:
-        return (0, row.time.total, row.describe())
+        return (0, row.time.total / (row.samples or 1), row.describe())
     if row.memory is not None:
         return (1, float(row.memory.peak), row.describe())
     return (2, 0.0, row.describe())
@@ -142,8 +153,8 @@ def _rank_key(row: PlanRow) -> tuple[int, float, str]:
 def header(table: PlanTable) -> str:
     return (
         f"par3d plan: {table.model or 'the model'} on {table.world_size} ranks ({table.devices_per_node} per node), "
-        f"{format_bytes(table.device_memory)} per device, global batch {table.global_batch} × {table.seq_len} "
-        f"tokens, {table.precision}\nmachine: {table.machine.describe()}"
+        f"{format_bytes(table.device_memory)} per device, {table.batch} × {table.seq_len} tokens, "
+        f"{table.precision}\nmachine: {table.machine.describe()}"
     )
 
 
@@ -160,14 +171,15 @@ def markdown(table: PlanTable, top: int | None = None, group_rejected: bool = Fa
         f"Layouts that fit ({len(table.fitting)}), fastest first; step time predicted (ms), memory per rank from "
         "estimate_memory:",
         "",
-        "| # | layout | ZeRO | schedule | ac | memory/rank | step ms | compute | tp comm | dp comm | bubble |",
-        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| # | layout | ZeRO | schedule | ac | memory/rank | step ms | samples/s | compute | tp comm | dp comm | "
+        "bubble |",
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_fit_line(i, row, table) for i, row in enumerate(fitting, 1)]
     if len(fitting) < len(table.fitting):
-        lines.append(f"| … | {len(table.fitting) - len(fitting)} more | | | | | | | | | |")
+        lines.append(f"| … | {len(table.fitting) - len(fitting)} more | | | | | | | | | | |")
     if not fitting:
-        lines.append("| — | none fits | | | | | | | | | |")
+        lines.append("| — | none fits | | | | | | | | | | |")
     if table.rejected:
         lines += ["", f"Rejected layouts ({len(table.rejected)}):", ""]
         lines += _grouped(table) if group_rejected else _each(table)
@@ -203,9 +215,13 @@ def _fit_line(i: int, row: PlanRow, table: PlanTable) -> str:
     assert t is not None
     return (
         f"| {i} | {_sizes(row)} | {_zero_text(row)} | {_schedule(row)} | {row.config.activation_checkpointing} | "
-        f"{table.memory_text(row)} | {_ms(t.total)} | {_ms(t.compute)} | {_ms(t.tp_comm)} | {_ms(t.dp_comm)} | "
-        f"{_ms(t.bubble)} |"
+        f"{table.memory_text(row)} | {_ms(t.total)} | {_rate(row.samples_per_s)} | {_ms(t.compute)} | "
+        f"{_ms(t.tp_comm)} | {_ms(t.dp_comm)} | {_ms(t.bubble)} |"
     )
+
+
+def _rate(per_s: float | None) -> str:
+    return "—" if per_s is None else f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:,.2f}"
 
 
 def _sizes(row: PlanRow) -> str:
