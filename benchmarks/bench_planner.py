@@ -1,16 +1,22 @@
 """The planner's predictions against measured step times: does ``lightning_par3d.planning.plan`` rank layouts as
 they really run?
 
-    python benchmarks/bench_planner.py [--world 4] [--steps 12] [--warmup 4] [--select distinct|all] [--limit N]
-                                       [--profile NAME] [--rounds 1]
+    python benchmarks/bench_planner.py [--models gpt,llama,qwen2] [--worlds 4,8] [--steps 8] [--warmup 3]
+                                       [--select distinct|all] [--limit N] [--profile NAME] [--rounds 1]
 
-It plans the GPT of ``benchmarks/bench_strategies.py`` (4 layers, 128 wide, block 64, global batch 16) on
-``--world`` ranks of this machine, calibrated by the planner itself (``calibrate``, as many processes as ranks;
-``--profile`` uses a named profile instead), then trains every layout the plan lists as fitting (``--select
-distinct``: the best-predicted schedule and checkpointing of each size and ZeRO stage; ``all``: every one) for
-``--steps`` steps in one pool of gloo processes (``tests/harness.py``'s ``DistPool``, as ``bench_strategies.py`` does),
-each run's step time the slowest rank's, the median of the steps after ``--warmup``. It prints, per layout, the
-predicted and measured step, and then:
+For each model and world size it plans on ``world`` ranks of this machine, calibrated by the planner itself
+(``calibrate``, as many processes as ranks; ``--profile`` uses a named profile instead), then trains every layout
+the plan lists as fitting (``--select distinct``: the best-predicted schedule and checkpointing of each size and ZeRO
+stage; ``all``: every one) for ``--steps`` steps in one pool of gloo processes (``tests/harness.py``'s ``DistPool``,
+as ``bench_strategies.py`` does), each run's step time the slowest rank's, the median of the steps after
+``--warmup``. The models, each trained on the same byte-level data at a global batch of 16 × 64 tokens:
+
+* ``gpt``: the example GPT of ``benchmarks/bench_strategies.py`` (4 layers, 128 wide);
+* ``llama``: transformers' Llama, unchanged (``examples/hf_llama.py``: 4 layers, hidden 128, grouped-query
+  attention with 2 key-value heads, its own tensor-parallel plan);
+* ``qwen2``: transformers' Qwen2 the same way (biases on q, k, v; tied embeddings).
+
+It prints, per layout, the predicted and measured step, and per model and world:
 
 * whether the plan's first choice is within 10 % of the best measured step;
 * Spearman's rank correlation between predicted and measured steps;
@@ -41,9 +47,23 @@ from examples.gpt import GPTModule
 MODEL = dict(block_size=64, n_layer=4, n_head=4, n_embd=128)
 GLOBAL_BATCH = 16
 SEQ = 64
+HF_MODEL = dict(block_size=SEQ, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4)
 
 
-def timed_layout(config: Any, steps: int, warmup: int) -> list[float]:
+def build_model(name: str) -> Any:
+    """The LightningModule of ``name`` (see the module docstring), not yet configured."""
+    if name == "gpt":
+        return GPTModule(**MODEL)
+    from examples.hf_llama import CausalLMModule
+
+    if name == "llama":
+        return CausalLMModule("llama", num_key_value_heads=2, **HF_MODEL)
+    if name == "qwen2":
+        return CausalLMModule("qwen2", num_key_value_heads=4, tie_word_embeddings=True, **HF_MODEL)
+    raise ValueError(f"--models: {name!r} is not a model here. Known: gpt, llama, qwen2.")
+
+
+def timed_layout(config: Any, steps: int, warmup: int, model: str = "gpt") -> list[float]:
     """One training run of ``config`` in a pool worker; each kept step's time, the slowest rank's."""
     import lightning as L
     import torch.distributed as dist
@@ -60,7 +80,7 @@ def timed_layout(config: Any, steps: int, warmup: int) -> list[float]:
     strategy = Par3DStrategy(dataclasses.replace(config, timeout_s=300))
     trainer = quiet_trainer(strategy, world, steps, timer, "cpu")
     data = ShakespeareDataModule(block_size=SEQ, batch_size=GLOBAL_BATCH // layout.dp, max_bytes=200_000)
-    trainer.fit(GPTModule(**MODEL), data)
+    trainer.fit(build_model(model), data)
     local = torch.tensor(timer.times[warmup:])
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return local.tolist()
@@ -117,70 +137,78 @@ def compare(predicted: list[float], measured: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def measure_case(model: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Plans ``model`` on ``world`` ranks and trains the selected fitting layouts; prints each and returns the
+    comparison."""
     from lightning_par3d.planning import SearchSpace, calibrate, plan
     from tests.harness import DistPool
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=1, help="measure every layout this many times (median)")
-    parser.add_argument("--select", choices=("distinct", "all"), default="distinct")
-    parser.add_argument("--limit", type=int, default=None, help="measure at most this many layouts")
-    parser.add_argument("--profile", default=None, help="plan with a named profile instead of calibrating")
-    parser.add_argument("--memory", default="4GiB", help="memory per rank the plan may use")
-    args = parser.parse_args()
-
     started = time.perf_counter()
-    machine: Any = args.profile or calibrate(args.world)
-    calibration_s = time.perf_counter() - started
+    machine: Any = args.profile or calibrate(world)
     described = machine if isinstance(machine, str) else machine.describe()
-    print(f"machine ({calibration_s:.1f} s): {described}", flush=True)
+    print(f"\n## {model} on {world} ranks\nmachine ({time.perf_counter() - started:.1f} s): {described}", flush=True)
     started = time.perf_counter()
     table = plan(
-        GPTModule(**MODEL),
-        args.world,
-        args.world,
-        args.memory,
-        global_batch=GLOBAL_BATCH,
-        seq_len=SEQ,
-        machine=machine,
+        build_model(model), world, world, args.memory, global_batch=GLOBAL_BATCH, seq_len=SEQ, machine=machine,
         search=SearchSpace(),
-    )
+    )  # fmt: skip
     print(f"plan: {len(table.fitting)} fitting layouts of {len(table)} ({time.perf_counter() - started:.1f} s)")
     rows = select(table.fitting, args.select, args.limit)
-    pool = DistPool(args.world)
+    pool = DistPool(world)
     measured: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+    run = dict(timeout=900, steps=args.steps, warmup=args.warmup, model=model)
     try:
-        pool.run(timed_layout, timeout=900, config=rows[0].config, steps=args.warmup + 1, warmup=args.warmup)
+        pool.run(timed_layout, config=rows[0].config, **{**run, "steps": args.warmup + 1})  # first-run costs
         for r in range(args.rounds):
             order = range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))
             for i in order:
-                times = pool.run(timed_layout, timeout=900, config=rows[i].config, steps=args.steps, warmup=args.warmup)
+                times = pool.run(timed_layout, config=rows[i].config, **run)
                 measured[i].append(statistics.median(times[0]))
                 print(
                     f"round {r + 1}/{args.rounds}  {rows[i].describe():48s} {measured[i][-1] * 1e3:8.1f} ms", flush=True
                 )
     finally:
         pool.close()
-
     medians = [statistics.median(measured[i]) for i in range(len(rows))]
-    predicted = [row.time.total for row in rows]
-    machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
-    print(f"\n{args.world} gloo ranks on {machine_line}; GPT {MODEL}, global batch {GLOBAL_BATCH}; "
-          f"{args.steps - args.warmup} kept steps × {args.rounds} rounds\n")  # fmt: skip
-    print("| # | layout | predicted ms | measured ms | measured / predicted |")
+    print("\n| # | layout | predicted ms | measured ms | measured / predicted |")
     print("|---:|---|---:|---:|---:|")
     for i, (row, m) in enumerate(zip(rows, medians, strict=True), 1):
         print(f"| {i} | {row.describe()} | {row.time.total * 1e3:.1f} | {m * 1e3:.1f} | {m / row.time.total:.2f} |")
-    result = compare(predicted, medians)
-    within = result["first_choice_vs_best"] <= 1.10
+    result = compare([row.time.total for row in rows], medians)
     print(
         f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
-        f"(×{result['first_choice_vs_best']:.2f}; within 10 %: {'yes' if within else 'no'}); "
-        f"Spearman {result['spearman']:.2f}; median relative error {result['median_relative_error']:.0%}"
+        f"(×{result['first_choice_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
+        f"{result['median_relative_error']:.0%}",
+        flush=True,
     )
+    return {**result, "layouts": len(rows), "fitting": len(table.fitting), "first": rows[0].describe()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt,llama,qwen2")
+    parser.add_argument("--worlds", default="4,8")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="measure every layout this many times (median)")
+    parser.add_argument("--select", choices=("distinct", "all"), default="distinct")
+    parser.add_argument("--limit", type=int, default=None, help="measure at most this many layouts")
+    parser.add_argument("--profile", default=None, help="plan with a named profile instead of calibrating")
+    parser.add_argument("--memory", default="4GiB", help="memory per rank the plan may use")
+    args = parser.parse_args()
+    cases = [(m, int(w)) for m in args.models.split(",") for w in args.worlds.split(",")]
+    results = {case: measure_case(*case, args) for case in cases}
+    machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
+    print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {args.steps - args.warmup} kept steps "
+          f"× {args.rounds} rounds per layout\n")  # fmt: skip
+    print("| model | ranks | layouts measured | first choice | first vs best measured | within 10 % | Spearman | "
+          "median error |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---|---:|---:|")
+    for (model, world), r in results.items():
+        within = "yes" if r["first_choice_vs_best"] <= 1.10 else "no"
+        ratio = r["first_choice_vs_best"]
+        print(f"| {model} | {world} | {r['layouts']} of {r['fitting']} | {r['first']} | ×{ratio:.2f} | {within} "
+              f"| {r['spearman']:.2f} | {r['median_relative_error']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
     python examples/train.py mode=plan trainer.devices=16     # every layout ranked for 16 devices (no launch)
     python examples/train.py experiment=demo mode=dryrun trainer.devices=64 strategy.dp_shard=8 strategy.tp=4
                                                               # one step of rank 0 and 32 of 64, here
+    python examples/train.py experiment=demo mode=advise      # the report's top suggestion, predicted and measured
 
 Lightning launches the other ranks itself (re-running this command); under torchrun or SLURM each rank runs it.
 """
@@ -133,11 +134,67 @@ def dry_run_ranks(cfg: DictConfig) -> Any:
     return result
 
 
+def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
+    """``mode=advise``: a short measured run of the configured job (``advise.steps`` steps, the bottleneck report
+    sampling ``advise.sampled`` of them after ``advise.skip_first``), then, in the same processes, the same short
+    run with the report's top suggestion, and (``advise.recheck``) the configured run once more, whose difference
+    from the first is the noise of a pair of runs; prints the suggestion's predicted step beside the measured ones.
+    """
+    from omegaconf import OmegaConf
+
+    from lightning_par3d.callbacks import BottleneckReport
+
+    def measured_run(run_cfg: Any, advise: bool) -> tuple[BottleneckReport, float]:
+        short = {"max_steps": cfg.advise.steps, "val_check_interval": None, "limit_val_batches": 0,
+                 "enable_model_summary": False}  # fmt: skip
+        run_cfg = OmegaConf.merge(run_cfg, {"trainer": short})
+        L.seed_everything(run_cfg.seed, workers=True)
+        strategy = instantiate(run_cfg.strategy, _convert_="all", **pretrained_init(run_cfg))
+        report = BottleneckReport(skip_first=cfg.advise.skip_first, steps=cfg.advise.sampled, verbose=False,
+                                  advise=advise)  # fmt: skip
+        trainer = instantiate(run_cfg.trainer, strategy=strategy, callbacks=[report], logger=False)
+        trainer.fit(instantiate(run_cfg.model), instantiate(run_cfg.data))
+        steps = [s.step.cycle_us for s in report.summaries]
+        return report, (sum(steps) / len(steps) / 1e6 if steps else 0.0)
+
+    report, before = measured_run(cfg, advise=True)
+    top = next((a for a in report.advice if a.suggested), None)
+    result: dict[str, Any] = {"measured_s": before, "suggestion": None}
+    if report.advice_error is not None or top is None:
+        if report.summaries:  # rank 0
+            why = report.advice_error or "no change weighed is predicted to help beyond the run's noise"
+            print(f"par3d advice: {why}; measured step {before * 1e3:,.1f} ms.")
+        return result
+    change = top.change
+    if change.settings:
+        overrides = {"strategy": dict(change.settings)}
+    else:  # outside the layout: the dataloader's workers
+        overrides = {"data": {"num_workers": int(change.description.split("=")[1])}}
+    _, after = measured_run(OmegaConf.merge(cfg, overrides), advise=False)
+    again = measured_run(cfg, advise=False)[1] if cfg.advise.recheck else None
+    result.update(suggestion=change.description, predicted_s=top.predicted_s, after_s=after, again_s=again)
+    if report.summaries:
+        assert top.predicted_s is not None
+        lines = [
+            f"par3d advice, checked: {change.description}",
+            f"  measured step, as configured: {before * 1e3:,.1f} ms",
+            f"  predicted with the change:    {top.predicted_s * 1e3:,.1f} ms ({top.predicted_s / before - 1:+.1%})",
+            f"  measured with the change:     {after * 1e3:,.1f} ms ({after / before - 1:+.1%})",
+        ]
+        if again is not None:
+            lines.append(
+                f"  measured as configured again: {again * 1e3:,.1f} ms (pair noise {abs(again / before - 1):.1%})"
+            )
+        print("\n".join(lines))
+    return result
+
+
 MODES: dict[str, Any] = {
     "train": lambda cfg: train(cfg).get("val_loss"),
     "estimate": lambda cfg: estimate(cfg).peak,
     "plan": lambda cfg: plan_layouts(cfg).best.step_s,
     "dryrun": lambda cfg: max(r.peak for r in dry_run_ranks(cfg).ranks),
+    "advise": lambda cfg: advise_and_verify(cfg).get("after_s"),
 }
 """``mode=`` → what it runs; each returns the number a Hydra sweeper would minimise."""
 

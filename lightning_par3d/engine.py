@@ -203,6 +203,17 @@ class Par3DEngine:
         if not self.awaits_layout:
             self._take_mesh()
 
+    def calibrate(self) -> Any:
+        """This job's machine figures (:class:`~lightning_par3d.planning.machine.Machine`), measured by every rank at
+        once over the job's own process group (every rank must call it): what the planner predicts with at launch
+        (``layout="auto"``) and the bottleneck report's advice at the end of fit."""
+        import torch.distributed as dist
+
+        from lightning_par3d.planning.calibrate import calibrate_job
+
+        every_rank = list(range(dist.get_world_size()))
+        return calibrate_job(self.device, groups.group_of(every_rank, self._backend, self.config.timeout_s))
+
     def _take_mesh(self) -> None:
         import torch.distributed as dist
 
@@ -230,11 +241,9 @@ class Par3DEngine:
             raise RuntimeError("Par3DEngine.choose_layout() is for layout='auto', once, after setup().")
         world = dist.get_world_size()
         local = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        world_ranks = list(range(world))
         self.config = choose_at_launch(
             self.config, module, world_size=world, devices_per_node=local, rank_batch=rank_batch, seq_len=seq_len,
-            precision=self.precision, device=self.device,
-            world_group=groups.group_of(world_ranks, self._backend, self.config.timeout_s),
+            precision=self.precision, device=self.device, measure=self.calibrate,
         )  # fmt: skip
         self._world = None
         layout = self.resolve(world, self.device.type)

@@ -106,10 +106,17 @@ class WallClock(L.Callback):
 
 
 def observed_job(
-    strategy: dict, devices: int, out: str, delay: float = 0.0, steps: int = 10, estimate: bool = False
+    strategy: dict,
+    devices: int,
+    out: str,
+    delay: float = 0.0,
+    steps: int = 10,
+    estimate: bool = False,
+    advise: bool = False,
 ) -> dict:
-    """10 steps with ``MemoryStats`` (and its estimate, where asked for: a fresh interpreter on rank 0 at the end of
-    fit) and ``BottleneckReport`` sampling 3 steps; what they measured, and what each rank holds counted apart."""
+    """10 steps with ``MemoryStats`` and ``BottleneckReport`` sampling 3 steps; what they measured, and what each
+    rank holds counted apart. The estimate and the advice (each a fresh interpreter on rank 0 at the end of fit)
+    where asked for."""
     from examples.data import ShakespeareDataModule
     from examples.gpt import GPTModule
     from lightning_par3d import Par3DStrategy
@@ -126,7 +133,7 @@ def observed_job(
     L.seed_everything(0, verbose=False)
     par3d = Par3DStrategy(timeout_s=120, **strategy)
     memory = MemoryStats(dirpath=out, log_every_n_steps=1, estimate=estimate)
-    report = BottleneckReport(skip_first=3, steps=3, dirpath=out)
+    report = BottleneckReport(skip_first=3, steps=3, dirpath=out, advise=advise)
     logger = L.pytorch.loggers.CSVLogger(out, name="logs")
     kwargs = trainer_kwargs(max_steps=steps, logger=logger)
     clock = WallClock()  # last: its time stamps close each step after the others' work
@@ -146,6 +153,9 @@ def observed_job(
         },
         "estimated": memory.estimated,
         "findings": [(f.bucket, f.fraction, f.severity) for f in report.findings],
+        "suggestions": [f.suggestion for f in report.findings],
+        "advice": report.advice,
+        "advice_error": report.advice_error,
         "steps": [(s.rank, s.step.cycle_us, s.step.accounted_us) for s in report.summaries],
         # The analyzed steps are batches 4-6 (skip_first=3: batch 3 opens the window): their wall-clock cycles.
         "wall_us": [(b - a) * 1e6 for a, b in zip(clock.ends[2:5], clock.ends[3:6], strict=True)],
@@ -236,10 +246,19 @@ def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
 
 @pytest.mark.dist
 def test_the_pipeline_bubble_is_the_top_bottleneck_at_pp4_with_4_microbatches(pool4, tmp_path: Path):
-    results = pool4.run(observed_job, strategy=dict(pp=4, microbatches=4), devices=4, out=str(tmp_path))
+    """The bubble tops the report, and its suggestion is a change predicted from the run's own buckets (or that none
+    is predicted to help), each change weighed with its predicted step in the report."""
+    results = pool4.run(observed_job, strategy=dict(pp=4, microbatches=4), devices=4, out=str(tmp_path), advise=True)
     findings = results[0]["findings"]
     assert findings[0][0] == "pipeline", findings
-    assert "pipeline idle" in (tmp_path / "bottleneck_report.md").read_text()
+    assert results[0]["advice_error"] is None and results[0]["advice"]
+    assert all(a.predicted_s is not None or a.reason for a in results[0]["advice"])
+    weighed = {a.change.description for a in results[0]["advice"]}
+    assert {"microbatches=8", "microbatches=2", "pipeline_schedule=gpipe"} <= weighed, weighed
+    pipeline = results[0]["suggestions"][0]
+    assert "step " in pipeline and " ms (" in pipeline and ("try " in pipeline or "no change is predicted" in pipeline)
+    report = (tmp_path / "bottleneck_report.md").read_text()
+    assert "## Changes weighed, with their predicted step" in report and "| microbatches=8 | pipeline |" in report
     _assert_buckets_account_for_the_step(results)
     height, width, _ = _png(tmp_path / "pipeline_timeline.png")
     assert width > 400 and height > 150

@@ -107,7 +107,7 @@ def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode
 def test_unknown_mode_is_a_clear_error(unknown_mode):
     out = unknown_mode
     assert out.returncode != 0, out.stderr[-3000:]
-    expected = "mode='profile' is not a mode. Allowed: 'train', 'estimate', 'plan', 'dryrun'."
+    expected = "mode='profile' is not a mode. Allowed: 'train', 'estimate', 'plan', 'dryrun', 'advise'."
     assert expected in out.stderr, out.stderr[-3000:]
 
 

@@ -224,3 +224,34 @@ def test_the_estimate_in_a_fresh_interpreter_is_the_same():
     script_class = type("Script", (GPTModule,), {"__module__": "__main__"})  # a class of the running script
     fresh = estimate_in_fresh_interpreter(script_class(**DEEP), config, 4, batch, precision="bf16-mixed")
     assert fresh.rows == expected
+
+
+@pytest.mark.dist
+def test_the_dry_run_and_the_plan_hold_what_the_run_of_the_demo_layout_measures(pool8):
+    """The demo's layout (pp=2 × dp_shard=2 × tp=2) trained on 8 ranks, against the dry run of its first rank of each
+    pipeline stage (each alone in a process, over a fake process group) and the plan's row for it: the dry run holds
+    the run's parameters, gradients and optimizer state byte for byte and its activations within 10 %; the plan's
+    peak (model state plus activations) is within 10 % of the run's."""
+    from lightning_par3d import dry_run, plan
+
+    strategy = dict(pp=2, dp_shard=2, tp=2)
+    measured = pool8.run(measure_job, strategy=strategy, devices=8)
+    rank_batch, seq = GLOBAL_BATCH // 2, MODEL["block_size"]
+    tokens = torch.randint(0, 256, (rank_batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    dry = dry_run(GPTModule(**DEEP), Par3DConfig(**strategy), 8, (tokens[:, :-1], tokens[:, 1:]))
+    assert [r.rank for r in dry.ranks] == [0, 4]
+    for ran in dry.ranks:
+        got = measured[ran.rank]
+        assert (ran.params, ran.grads, ran.optimizer) == (
+            got["state"].params,
+            got["state"].grads,
+            got["state"].optimizer,
+        )
+        assert abs(ran.activations_peak - got["activations"]) <= 0.10 * got["activations"], (ran, got)
+    run = dict(zero_stage=3, pipeline_schedule="1f1b", microbatches=4, activation_checkpointing="none")
+    table = plan(GPTModule(**DEEP), 8, 8, "1GiB", global_batch=GLOBAL_BATCH, seq_len=seq, fixed={**strategy, **run})
+    [row] = table.fitting
+    for got in measured:
+        planned = next(r for r in row.memory.rows if r.pp_rank == got["pp_rank"])
+        run_peak = got["state"].total + got["activations"]
+        assert abs(planned.total - run_peak) <= 0.10 * run_peak, (planned, got)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_par3d.callbacks.bottleneck_analysis import BUCKETS, COMPUTE_BUCKETS, StepTimes
@@ -145,6 +145,49 @@ _SUGGESTIONS = {
 }
 
 
+ADVICE_BUCKETS = {
+    "pipeline": ("pipeline",),
+    "tp_comm": ("tp_comm",),
+    "dp_comm": ("dp_comm",),
+    "optimizer": ("dp_comm",),
+    "dataloader": ("dataloader",),
+}
+"""A finding's bucket → the buckets of the changes that address it (``planning.advice.Change.bucket``)."""
+
+
+def with_advice(findings: list[Finding], advice: list[Any]) -> list[Finding]:
+    """Each finding whose bucket the predicted changes address, with its suggestion replaced by what was predicted:
+    the best change predicted to help, or that none is (with what the nearest would cost). Findings no change
+    addresses (Lightning's loop, par3d's measuring) keep their text."""
+    out = []
+    for finding in findings:
+        mine = [a for a in advice if a.change.bucket in ADVICE_BUCKETS.get(finding.bucket, ())]
+        helping = [a for a in mine if a.suggested]
+        share = f"{LABELS[finding.bucket]} {finding.fraction:.0%} of step"
+        if helping:
+            text = f"{share}: try {helping[0].line()}."
+        elif any(a.predicted_s is not None for a in mine):
+            costs = "; ".join(a.line() for a in mine if a.predicted_s is not None)
+            text = f"{share}: no change is predicted to help ({costs})."
+        else:
+            out.append(finding)
+            continue
+        out.append(replace(finding, suggestion=text))
+    return out
+
+
+def advice_lines(advice: list[Any], error: str | None) -> list[str]:
+    """The advice's headline for the console: the best suggestion, or that none is predicted to help."""
+    if error is not None:
+        return [f"advice: not predicted ({error})"]
+    if not advice:
+        return []
+    best = advice[0]
+    if best.suggested:
+        return [f"advice: {best.line()} (predicted from this run's measurements; verify with a short run)"]
+    return ["advice: no change weighed is predicted to make the step faster beyond this run's noise"]
+
+
 def suggest(bucket: str, fraction: float, context: ReportContext) -> str:
     """A concrete suggestion for ``bucket`` at this share of the step."""
     share = f"{fraction:.0%} of step"
@@ -164,8 +207,15 @@ def throughput(summaries: list[RankSummary], context: ReportContext) -> tuple[fl
     return tokens, mfu
 
 
-def render_markdown(summaries: list[RankSummary], findings: list[Finding], context: ReportContext) -> str:
-    """The full report: findings, throughput, and every rank's buckets."""
+def render_markdown(
+    summaries: list[RankSummary],
+    findings: list[Finding],
+    context: ReportContext,
+    advice: list[Any] | None = None,
+    advice_error: str | None = None,
+) -> str:
+    """The full report: findings, the predicted effect of each change weighed, throughput, and every rank's
+    buckets."""
     layout = context.layout
     tokens, mfu = throughput(summaries, context)
     lines = [
@@ -184,6 +234,7 @@ def render_markdown(summaries: list[RankSummary], findings: list[Finding], conte
         f"| {f.severity} | {LABELS[f.bucket]} | {f.fraction:.1%} | {f.worst_fraction:.1%} | {f.suggestion} |"
         for f in findings
     ]
+    lines += _advice_table(advice or [], advice_error)
     lines += ["", "## Throughput", ""]
     lines.append(f"- tokens/s: {tokens:,.0f}" if tokens is not None else "- tokens/s: unknown (no token count)")
     if mfu is not None:
@@ -204,6 +255,29 @@ def render_markdown(summaries: list[RankSummary], findings: list[Finding], conte
     return "\n".join(lines) + "\n"
 
 
+def _advice_table(advice: list[Any], error: str | None) -> list[str]:
+    if error is not None:
+        return ["", f"No predicted advice: {error}."]
+    if not advice:
+        return []
+    lines = [
+        "",
+        "## Changes weighed, with their predicted step",
+        "",
+        "Predicted from this run's measured buckets through the planner's cost model (lightning_par3d.planning."
+        "advice); suggested only where predicted faster than the measured step by more than the run's noise.",
+        "",
+        "| change | addresses | predicted step | vs measured | suggested |",
+        "|---|---|---:|---:|---|",
+    ]
+    for a in advice:
+        predicted = f"{a.predicted_s * 1e3:,.1f} ms" if a.predicted_s is not None else f"— ({a.reason})"
+        versus = f"{-(a.gain or 0.0):+.0%}" if a.predicted_s is not None else "—"
+        lines.append(f"| {a.change.description} | {a.change.bucket} | {predicted} | {versus} | "
+                     f"{'yes' if a.suggested else 'no'} |")  # fmt: skip
+    return lines
+
+
 def _kinds(summaries: list[RankSummary]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for s in summaries:
@@ -212,7 +286,13 @@ def _kinds(summaries: list[RankSummary]) -> dict[str, float]:
     return totals
 
 
-def short_summary(summaries: list[RankSummary], findings: list[Finding], context: ReportContext) -> str:
+def short_summary(
+    summaries: list[RankSummary],
+    findings: list[Finding],
+    context: ReportContext,
+    advice: list[Any] | None = None,
+    advice_error: str | None = None,
+) -> str:
     """A few lines for the console at the end of fit."""
     cycle = sum(s.step.cycle_us for s in summaries) / max(len(summaries), 1) / 1e3
     compute = sum(fractions(summaries)[b][0] for b in COMPUTE_BUCKETS)
@@ -223,4 +303,5 @@ def short_summary(summaries: list[RankSummary], findings: list[Finding], context
     if mfu is not None:
         head += f", MFU {mfu:.1%}"
     shown = [f for f in findings if f.severity != "low"][:3] or findings[:1]
-    return "\n".join([head, *(f"  {f.line()}" for f in shown)])
+    extra = advice_lines(advice or [], advice_error) if advice is not None or advice_error else []
+    return "\n".join([head, *(f"  {f.line()}" for f in shown), *(f"  {line}" for line in extra)])

@@ -135,6 +135,7 @@ def _stage_forward(
         microbatched along dim 0). ``use_cache`` changes nothing here: the stages return logits, never a cache."""
         h = x if x is not None else input_ids  # token ids (B, T) on the first stage, else hidden states (B, T, hidden)
         assert h is not None, "a pipeline stage got no input"
+        given_positions = position_ids  # the masks look for packed sequences in positions the batch gives only
         if position_ids is None:  # as the model's own forward: 0…T-1 on every row, whatever the padding mask
             position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
         if first:  # token ids (B, T) → embeddings (B, T, hidden)
@@ -147,7 +148,7 @@ def _stage_forward(
         for index in layers:
             kind = _attention_kind(config, index)
             if kind not in masks:
-                masks[kind] = _causal_mask(config, h, attention_mask, position_ids, kind)
+                masks[kind] = _causal_mask(config, h, attention_mask, given_positions, kind)
             out = decoder[index](h, attention_mask=masks[kind], **extra)
             h = out[0] if isinstance(out, tuple) else out
         if last:  # (B, T, hidden) → logits (B, T, vocab)
@@ -175,10 +176,12 @@ def _attention_kind(config: Any, index: int) -> str:
 
 
 def _causal_mask(
-    config: Any, h: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor, kind: str
+    config: Any, h: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None, kind: str
 ) -> Any:
     """The mask the model's attention implementation expects, from the model's own mask functions with the
-    batch's padding mask (None where SDPA's own causal flag does it)."""
+    batch's padding mask (None where SDPA's own causal flag does it). ``positions`` are the batch's own position ids
+    (None when it gave none: the default 0…T-1 packs nothing, and transformers would otherwise read the tensor's
+    values to look for packed sequences, which a planner's probe on the meta device cannot)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask

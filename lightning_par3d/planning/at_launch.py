@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,21 +120,15 @@ def choose_at_launch(
     seq_len: int,
     precision: str,
     device: torch.device,
-    world_group: Any,
+    measure: Callable[[], Machine],
 ) -> Par3DConfig:
     """The configuration to train with: ``config`` with the layout the planner found fastest (see the module
     docstring). Every rank calls it; ``module`` (the LightningModule before ``configure_model``, or a factory) is
-    needed on rank 0 only; ``world_group`` is a process group of every rank. Raises the planner's ``ValueError`` on
-    every rank where no layout can run."""
+    needed on rank 0 only; ``measure()`` measures the job's machine on every rank at once. Raises the planner's
+    ``ValueError`` on every rank where no layout can run."""
     import torch.distributed as dist
 
-    machine: Machine | str
-    if config.plan_machine is not None:
-        machine = config.plan_machine
-    else:
-        from lightning_par3d.planning.calibrate import calibrate_job
-
-        machine = calibrate_job(device, world_group)
+    machine = config.plan_machine if config.plan_machine is not None else measure()
     memory = config.plan_device_memory or device_memory(device, devices_per_node)
     answer: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -103,6 +103,8 @@ class StepTime:
     bubble: float
     critical_pp_rank: int = 0
     """The pipeline rank whose step is the longest (the buckets are its own)."""
+    pp_ranks: tuple[tuple[float, float, float, float], ...] = ()
+    """Every pipeline rank's (compute, tp_comm, dp_comm, bubble), in pipeline order."""
 
     @property
     def total(self) -> float:
@@ -365,8 +367,8 @@ def predict_step(
                 compute += f * c.forward_compute + b * c.backward_compute
                 tp += f * c.forward_tp + b * c.backward_tp
             parts[rank] = (compute, tp)
-    best: StepTime | None = None
-    for rank, end in ends.items():
+    steps: list[StepTime] = []
+    for rank, end in sorted(ends.items()):
         mine = [params[s] for s in layout.stage_indices(rank)]
         comm = data_parallel_collectives(layout, mine, precision, machine, devices_per_node)
         compute, tp = parts[rank]
@@ -376,11 +378,10 @@ def predict_step(
         dp += len(comm) * COLLECTIVE_CPU_OPS * machine.op_overhead_s
         step_tp = sum(costs[s].step_tp for s in layout.stage_indices(rank))
         opt = optimizer_time(layout, mine, precision, machine, optimizer)
-        step = StepTime(compute + opt, tp + step_tp, dp, max(end - compute - tp, 0.0), rank)
-        if best is None or step.total > best.total:
-            best = step
-    assert best is not None
-    return best
+        steps.append(StepTime(compute + opt, tp + step_tp, dp, max(end - compute - tp, 0.0), rank))
+    best = max(steps, key=lambda step: step.total)
+    every = tuple((s.compute, s.tp_comm, s.dp_comm, s.bubble) for s in steps)
+    return StepTime(best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every)
 
 
 def _pp_link(layout: Layout, a: int, b: int, machine: Machine, devices_per_node: int) -> Link:

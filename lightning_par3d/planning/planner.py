@@ -18,7 +18,7 @@ estimator runs once per class of layouts whose activations agree, and torch's sc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -109,6 +109,35 @@ def plan(
     if not table.fitting:
         raise ValueError(_nothing_fits(table))
     return table
+
+
+def evaluate(
+    module: nn.Module | Callable[[], nn.Module],
+    configs: Sequence[Par3DConfig],
+    world_size: int,
+    devices_per_node: int | None = None,
+    device_memory: int | float | str | None = None,
+    *,
+    global_batch: int | None = None,
+    seq_len: int,
+    rank_batch: int | None = None,
+    precision: str = "32-true",
+    machine: Machine | str = DEFAULT_MACHINE,
+    optimizer: str = "adamw",
+    loss_fn: Callable[..., Tensor] | None = None,
+) -> list[PlanRow]:
+    """The rows of ``configs``, in their order, as :func:`plan` gives them (the memory and the predicted step, or
+    why the layout cannot run): for a few layouts chosen by the caller (the bottleneck report's suggestions),
+    without the search. The arguments are :func:`plan`'s."""
+    check_no_process_group("evaluate()")
+    setup = _Setup.checked(
+        world_size, devices_per_node, device_memory, _Batch.checked(global_batch, rank_batch), seq_len, precision,
+        machine, None, None, None, optimizer,
+    )  # fmt: skip
+    probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
+    memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
+    with keep_excepthook():
+        return [_evaluate(config, setup, probes, memory, set()) for config in configs]
 
 
 def choose_layout(
@@ -317,7 +346,11 @@ class _Probes:
 
 
 def _model_message(error: Exception) -> str:
+    """par3d's model checks in one line: the heading and the first problem, and how many more (one per block,
+    typically, all alike)."""
     lines = [line.strip().removeprefix("- ") for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 3 and lines[0].endswith(":"):
+        lines = [*lines[:2], f"(and {len(lines) - 2} more like it)"]
     return " ".join(lines)
 
 
