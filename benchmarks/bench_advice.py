@@ -51,7 +51,7 @@ def run_case(name: str, steps: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="par3d-bench-advice-") as folder:
         command = [sys.executable, "examples/train.py", *CASES[name], "mode=advise", "advise.recheck=true",
                    f"advise.steps={steps}", f"advise.skip_first={steps // 3}", f"advise.sampled={steps // 2}",
-                   "callbacks=none", "logger=none", "trainer.enable_progress_bar=false",
+                   "callbacks=none", "logger=none", "+trainer.enable_progress_bar=false",
                    f"hydra.run.dir={folder}"]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)

@@ -43,9 +43,9 @@ class TrainTimer(L.Callback):
         self.seconds = time.perf_counter() - self.start
 
 
-def throughput_run(observe: bool, steps: int, log_every: int = 50, estimate: bool = True) -> float:
-    """Steps per second of one run (the slowest rank's time), with or without the callbacks (``estimate``:
-    MemoryStats' estimate at the end of fit, outside the timed window)."""
+def throughput_run(observe: bool, steps: int, log_every: int = 50, end_of_fit: bool = True) -> float:
+    """Steps per second of one run (the slowest rank's time), with or without the callbacks (``end_of_fit``:
+    MemoryStats' estimate and the report's advice, at the end of fit, outside the timed window)."""
     import torch.distributed as dist
 
     from benchmarks.bench_strategies import quiet_trainer
@@ -58,8 +58,8 @@ def throughput_run(observe: bool, steps: int, log_every: int = 50, estimate: boo
     if observe:
         out = tempfile.mkdtemp(prefix="par3d-bench-callbacks-")
         callbacks += [
-            MemoryStats(dirpath=out, log_every_n_steps=log_every, estimate=estimate, verbose=False),
-            BottleneckReport(skip_first=5, steps=3, dirpath=out, verbose=False),
+            MemoryStats(dirpath=out, log_every_n_steps=log_every, estimate=end_of_fit, verbose=False),
+            BottleneckReport(skip_first=5, steps=3, dirpath=out, verbose=False, advise=end_of_fit),
         ]
     trainer = quiet_trainer(Par3DStrategy(dp_shard=2, tp=2), WORLD, steps, callbacks, accelerator="cpu")
     data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // 2, max_bytes=200_000)

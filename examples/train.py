@@ -134,6 +134,17 @@ def dry_run_ranks(cfg: DictConfig) -> Any:
     return result
 
 
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (after a fit the job's process group is still there)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
     """``mode=advise``: a short measured run of the configured job (``advise.steps`` steps, the bottleneck report
     sampling ``advise.sampled`` of them after ``advise.skip_first``), then, in the same processes, the same short
@@ -146,28 +157,30 @@ def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
 
     def measured_run(run_cfg: Any, advise: bool) -> tuple[BottleneckReport, float]:
         short = {"max_steps": cfg.advise.steps, "val_check_interval": None, "limit_val_batches": 0,
-                 "enable_model_summary": False}  # fmt: skip
-        run_cfg = OmegaConf.merge(run_cfg, {"trainer": short})
+                 "enable_model_summary": False, "logger": False}  # fmt: skip
         L.seed_everything(run_cfg.seed, workers=True)
         strategy = instantiate(run_cfg.strategy, _convert_="all", **pretrained_init(run_cfg))
         report = BottleneckReport(skip_first=cfg.advise.skip_first, steps=cfg.advise.sampled, verbose=False,
                                   advise=advise)  # fmt: skip
-        trainer = instantiate(run_cfg.trainer, strategy=strategy, callbacks=[report], logger=False)
+        trainer = instantiate(run_cfg.trainer, strategy=strategy, callbacks=[report], **short)
         trainer.fit(instantiate(run_cfg.model), instantiate(run_cfg.data))
         steps = [s.step.cycle_us for s in report.summaries]
         return report, (sum(steps) / len(steps) / 1e6 if steps else 0.0)
 
     report, before = measured_run(cfg, advise=True)
-    top = next((a for a in report.advice if a.suggested), None)
+    top = next((a for a in report.advice if a.suggested), None)  # rank 0's: every rank follows it
+    noise = max(0.05, report.measured.noise) if report.measured is not None else 0.05
+    decision = _from_rank_zero((top, report.advice_error, noise))
+    top, advice_error, noise = decision
     result: dict[str, Any] = {"measured_s": before, "suggestion": None}
-    if report.advice_error is not None or top is None:
+    if advice_error is not None or top is None:
         if report.summaries:  # rank 0
-            why = report.advice_error or "no change weighed is predicted to help beyond the run's noise"
+            why = advice_error or "no change weighed is predicted to help beyond the run's noise"
             print(f"par3d advice: {why}; measured step {before * 1e3:,.1f} ms.")
         return result
     change = top.change
     if change.settings:
-        overrides = {"strategy": dict(change.settings)}
+        overrides: dict[str, Any] = {"strategy": dict(change.settings)}
     else:  # outside the layout: the dataloader's workers
         overrides = {"data": {"num_workers": int(change.description.split("=")[1])}}
     _, after = measured_run(OmegaConf.merge(cfg, overrides), advise=False)

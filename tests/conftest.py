@@ -3,6 +3,7 @@ process-tree cases (``tests/background.py``), and the parity assertions."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -37,6 +38,34 @@ def pool8() -> Iterator[DistPool]:
     yield pool(8)
 
 
+REQUIRE_GPUS = "PAR3D_REQUIRE_GPUS"
+"""With ``PAR3D_REQUIRE_GPUS=N``, a session that sees fewer than N CUDA devices fails at its start instead of
+skipping every GPU test (a GPU job that can pass without a GPU is no check at all); GPU tests of a higher tier than N
+devices still skip."""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    required = os.environ.get(REQUIRE_GPUS)
+    if not required:
+        return
+    found = torch.cuda.device_count()
+    if found < int(required):
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU build: no CUDA")
+        pytest.exit(
+            f"{REQUIRE_GPUS}={required}, but no GPU was found: torch sees {found} CUDA device(s) ({build}). Install "
+            "the CUDA build of torch on a machine with the GPUs, or unset it to let the GPU tests skip.",
+            returncode=3,
+        )
+
+
+def gpus_needed(item: pytest.Item) -> int | None:
+    """The CUDA devices a ``gpu``-marked test needs (``@pytest.mark.gpu(4)``; 2 without a count), else None."""
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return None
+    return int(marker.args[0]) if marker.args else 2
+
+
 POOL_FIXTURES = {"pool2": 2, "pool4": 4, "pool8": 8}
 
 
@@ -55,8 +84,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Stops the pools this test does not use: with the order above, a pool is done once the next size starts (a
-    stopped pool starts again if a later test runs a job on it)."""
+    """Skips a GPU test where fewer devices than its tier are visible (see :data:`REQUIRE_GPUS`). Stops the pools
+    this test does not use: with the order above, a pool is done once the next size starts (a stopped pool starts
+    again if a later test runs a job on it)."""
+    needed = gpus_needed(item)
+    if needed is not None and torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} CUDA devices; {torch.cuda.device_count()} visible")
     wanted = pools_of(item)
     for size, stopped in _POOLS.items():
         if size not in wanted:

@@ -2,7 +2,8 @@
 
     python tests/fault_script.py OUT '{"dp_shard": 2}' 2 stall 1 3
 
-trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes (``timeout_s`` is
+trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes (GPUs over NCCL where
+``PAR3D_FAULT_ACCELERATOR=gpu``; ``timeout_s`` is
 ``tests.constants.FAULT_TIMEOUT_S``, one global batch per epoch), and at the start of step STEP, on rank RANK, injects
 FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
 this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
@@ -125,7 +126,11 @@ def main() -> None:
         devices=int(devices),
         strategy=strategy,
         callbacks=callbacks,
-        **trainer_kwargs(max_steps=int(step) + 3, enable_checkpointing=checkpoints),
+        **trainer_kwargs(
+            max_steps=int(step) + 3,
+            enable_checkpointing=checkpoints,
+            accelerator=os.environ.get("PAR3D_FAULT_ACCELERATOR", "cpu"),
+        ),
     )
     L.seed_everything(SEED, verbose=False)
     dp = strategy.layout.dp

@@ -134,6 +134,10 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
         environment = dict(os.environ)  # jobs may change it (Lightning's teardown drops WORLD_SIZE): give it back
         torch.set_num_threads(threads)
+        # On GPUs, matmuls in full fp32 on every rank, as in the single-process references: TF32 would round them
+        # differently on each side of a parity comparison.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         try:
             outcome = _Outcome(rank, True, fn(**kwargs))
         except BaseException as e:  # report everything, keep serving

@@ -12,9 +12,13 @@ A change is predicted in three moves:
 
 1. the current layout is predicted, bucket by bucket, averaged over its pipeline ranks as the measurement is;
 2. each bucket's **correction** is measured / predicted (1 where the model predicts none of it): what the model
-   misses on this machine, for this model (the per-op costs of DTensor, the gloo transport, ...);
-3. the change is predicted with the same model, each bucket times its correction, the rest (dataloader, loop) as
-   measured; the slowest pipeline rank's sum is the step, scaled so that the current layout's comes out as measured.
+   misses on this machine, for this model (the per-op costs of DTensor, the gloo transport, ...). The pipeline's
+   waiting is the stages' compute seen from another rank, so it takes the compute's correction; what the run
+   measured in the pipeline bucket beyond that is a cost of each schedule action (torch's per-action work, the
+   send/recv calls around it), spread over the rank's actions;
+3. the change is predicted with the same model, each bucket times its correction, plus that cost per action of its
+   schedule, the rest (dataloader, loop) as measured; the slowest pipeline rank's sum is the step, scaled so that
+   the current layout's comes out as measured.
 
 So "raise microbatches" is predicted from its real price: twice the microbatches is twice the ops and collectives
 of half the size, whose fixed costs the cost model counts; the bubble it saves is what the schedule's own order
@@ -173,23 +177,37 @@ def mean_buckets(time: Any) -> dict[str, float]:
     return {name: sum(rank[i] for rank in ranks) / len(ranks) for i, name in enumerate(BUCKETS)}
 
 
-def corrections(measured: Measured, predicted: dict[str, float]) -> dict[str, float]:
-    """Per bucket, measured / predicted (1 where the model predicts none of it: nothing to learn from)."""
+def corrections(measured: Measured, time: Any) -> dict[str, float]:
+    """Per bucket, measured / predicted (1 where the model predicts none of it: nothing to learn from); the
+    bubble's waiting takes the compute's correction, and ``"action"`` is the measured pipeline time beyond it per
+    schedule action (see the module docstring)."""
+    predicted = mean_buckets(time)
     step = max(sum(predicted.values()), 1e-12)
-    return {name: measured.bucket(name) / value if value > 0.01 * step else 1.0 for name, value in predicted.items()}
+    factors = {name: measured.bucket(name) / value if value > 0.01 * step else 1.0 for name, value in predicted.items()}
+    factors["bubble"] = factors["compute"]
+    actions = sum(time.actions) / len(time.actions) if time.actions else 0.0
+    waiting = predicted["bubble"] * factors["bubble"]
+    factors["action"] = max(measured.bubble - waiting, 0.0) / actions if actions else 0.0
+    return factors
 
 
 def corrected_step(time: Any, factors: dict[str, float], other: float) -> float:
-    """The slowest pipeline rank's step with each bucket corrected, plus what no layout changes."""
+    """The slowest pipeline rank's step with each bucket corrected and each schedule action's cost, plus what no
+    layout changes."""
     ranks = time.pp_ranks or ((time.compute, time.tp_comm, time.dp_comm, time.bubble),)
-    return max(sum(rank[i] * factors[name] for i, name in enumerate(BUCKETS)) for rank in ranks) + other
+    actions = time.actions or (0,) * len(ranks)
+    per_rank = [
+        sum(rank[i] * factors[name] for i, name in enumerate(BUCKETS)) + factors["action"] * count
+        for rank, count in zip(ranks, actions, strict=True)
+    ]
+    return max(per_rank) + other
 
 
 def judge(measured: Measured, changes: Sequence[Change], rows: Sequence[Any], current: Any) -> list[Advice]:
     """Each change's advice from the planner's rows (``current``: the current layout's row; ``rows``: each change's,
     in order), slowest suggestions last. A change is suggested where it can run and is predicted faster than the
     measured step by more than the noise (:data:`MIN_GAIN` at least)."""
-    factors = corrections(measured, mean_buckets(current.time))
+    factors = corrections(measured, current.time)
     scale = measured.step / corrected_step(current.time, factors, measured.other)
     threshold = max(MIN_GAIN, measured.noise)
     advice = []

@@ -105,6 +105,8 @@ class StepTime:
     """The pipeline rank whose step is the longest (the buckets are its own)."""
     pp_ranks: tuple[tuple[float, float, float, float], ...] = ()
     """Every pipeline rank's (compute, tp_comm, dp_comm, bubble), in pipeline order."""
+    actions: tuple[int, ...] = ()
+    """Every pipeline rank's compute actions per step in torch's schedule order (F, B, I, W; none without pp)."""
 
     @property
     def total(self) -> float:
@@ -339,6 +341,7 @@ def predict_step(
     samples = rank_batch / m
     tp_link = group_link(layout, "tp", machine, devices_per_node)
     costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link) for w in works]
+    counts = {0: 0}
     if layout.pp == 1:
         ends = {0: costs[0].forward + costs[0].backward}
         parts = {0: (costs[0].forward_compute + costs[0].backward_compute, costs[0].forward_tp + costs[0].backward_tp)}
@@ -359,6 +362,7 @@ def predict_step(
             return send(size, link) + COLLECTIVE_CPU_OPS * machine.op_overhead_s
 
         ends = simulate(actions, duration, transfer).end
+        counts = {rank: len(acts) for rank, acts in actions.items()}
         parts = {}
         for rank, acts in actions.items():
             compute = tp = 0.0
@@ -381,7 +385,10 @@ def predict_step(
         steps.append(StepTime(compute + opt, tp + step_tp, dp, max(end - compute - tp, 0.0), rank))
     best = max(steps, key=lambda step: step.total)
     every = tuple((s.compute, s.tp_comm, s.dp_comm, s.bubble) for s in steps)
-    return StepTime(best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every)
+    actions_per_rank = tuple(counts[rank] for rank in sorted(ends))
+    return StepTime(
+        best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every, actions_per_rank
+    )
 
 
 def _pp_link(layout: Layout, a: int, b: int, machine: Machine, devices_per_node: int) -> Link:
