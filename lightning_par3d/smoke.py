@@ -149,7 +149,7 @@ def run(plan: dict[str, Any], settings: dict[str, Any], args: argparse.Namespace
     import lightning as L
     import torch
 
-    from lightning_par3d import Par3DStrategy
+    from lightning_par3d.integrations.trainer import Par3DStrategy
     from lightning_par3d.memory.meters import model_state_bytes
 
     class Watch(L.Callback):

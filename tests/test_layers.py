@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 4: the engine, and the estimator (which simulates what the engine builds; in a fresh interpreter for a rank)
     ("engine", "memory.estimate", "memory.estimate_process", "planning", "planning.*", "plan"),
     # 5: front-ends and observers
-    ("integrations", "integrations.*", "callbacks", "callbacks.*", "accelerate", "transformers"),
+    ("integrations", "integrations.*", "callbacks", "callbacks.*", "accelerate", "transformers", "smoke"),
     # 6: the public package
     ("",),
 ]
