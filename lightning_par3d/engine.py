@@ -51,6 +51,7 @@ from lightning_par3d.parallel.compression import check_compression_device
 from lightning_par3d.parallel.data_parallel import no_gradient_sync
 from lightning_par3d.parallel.gather import gather_objects, gather_tensors, map_tensors
 from lightning_par3d.parallel.gradients import clip_grads_
+from lightning_par3d.parallel.locality import launcher_devices_per_node, tp_across_nodes
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.metric_sync import (
@@ -132,6 +133,7 @@ class Par3DEngine:
         """The world size and device type :meth:`resolve` was given."""
         self._mesh: Par3DMesh | None = None
         self._device: torch.device | None = None
+        self._devices_per_node: int | None = None
         self._backend = "gloo"
         self._module: nn.Module | None = None
         self._forward_module: nn.Module | None = None
@@ -188,15 +190,19 @@ class Par3DEngine:
         return self._layout
 
     # ---------------------------------------------------------------- processes
-    def setup(self, device: torch.device, backend: str | None = None) -> None:
+    def setup(self, device: torch.device, backend: str | None = None, devices_per_node: int | None = None) -> None:
         """Initializes the default process group from the environment if nobody has (torchrun's variables), then
         takes the mesh for the layout (built, or shared with an earlier engine of the same layout); under
-        ``layout="auto"`` the mesh waits for :meth:`choose_layout`. Every rank must call it."""
+        ``layout="auto"`` the mesh waits for :meth:`choose_layout`. Every rank must call it. ``devices_per_node``
+        (the launcher's processes per node: Lightning's ``devices``) defaults to torchrun's ``LOCAL_WORLD_SIZE``,
+        then SLURM's ``SLURM_NTASKS_PER_NODE``, then the whole world (one node); rank 0 warns when tensor-parallel
+        groups cross nodes (:mod:`lightning_par3d.parallel.locality`)."""
         import torch.distributed as dist
 
         self._device = device
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self._devices_per_node = devices_per_node or launcher_devices_per_node(world)
         if not self.is_resolved:
-            world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
             self.resolve(world, device.type)
         self._backend = groups.init_default_group(device, self.config.timeout_s, backend)
         groups.set_collective_timeout(self.config.timeout_s)  # also when a front-end created the group
@@ -223,6 +229,9 @@ class Par3DEngine:
                 f"has {dist.get_world_size()}. Launch {self.layout.world_size} processes, or change the sizes."
             )
         self._mesh = groups.acquire_mesh(self.layout, self.device, self._backend, self.config.timeout_s)
+        across = tp_across_nodes(self.layout, self.devices_per_node)
+        if across is not None and dist.get_rank() == 0:
+            warnings.warn(f"par3d: {across}", stacklevel=3)
 
     def choose_layout(
         self, module: nn.Module | None, rank_batch: int, seq_len: int, devices_per_node: int | None = None
@@ -232,7 +241,7 @@ class Par3DEngine:
         and builds its mesh. ``module`` is the model before ``configure_model`` (a LightningModule, or a factory of
         an ``nn.Module``), needed on rank 0 only; ``rank_batch`` and ``seq_len`` are a training batch's samples per
         data-parallel rank and tokens per sample; ``devices_per_node`` defaults to the launcher's
-        ``LOCAL_WORLD_SIZE``."""
+        devices per node :meth:`setup` found."""
         import torch.distributed as dist
 
         from lightning_par3d.planning.at_launch import choose_at_launch
@@ -240,7 +249,7 @@ class Par3DEngine:
         if not self.awaits_layout:
             raise RuntimeError("Par3DEngine.choose_layout() is for layout='auto', once, after setup().")
         world = dist.get_world_size()
-        local = devices_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = devices_per_node or self.devices_per_node
         self.config = choose_at_launch(
             self.config, module, world_size=world, devices_per_node=local, rank_batch=rank_batch, seq_len=seq_len,
             precision=self.precision, device=self.device, measure=self.calibrate,
@@ -250,6 +259,13 @@ class Par3DEngine:
         assert layout is not None
         self._take_mesh()
         return layout
+
+    @property
+    def devices_per_node(self) -> int:
+        """Processes per node, as the launcher started them (known after :meth:`setup`)."""
+        if self._devices_per_node is None:
+            raise RuntimeError("Par3DEngine.devices_per_node is known after setup().")
+        return self._devices_per_node
 
     @property
     def mesh(self) -> Par3DMesh:

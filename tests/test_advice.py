@@ -68,3 +68,19 @@ def test_predictions_follow_the_measurement_and_stay_silent_within_the_noise():
             assert twice[name].predicted_s == pytest.approx(2 * advice.predicted_s, rel=1e-9), name
     noisy = _weighed(arithmetic, dataclasses.replace(_as_predicted(arithmetic), noise=0.9))
     assert not any(a.suggested for a in noisy.values())
+
+
+def test_every_change_weighed_is_a_valid_layout():
+    """The changes weighed at the demo's layout and at a wider one each resolve (HSDP only where dp_shard leaves at
+    least 2 ranks to shard over)."""
+    from lightning_par3d.config import resolve_layout
+    from lightning_par3d.planning.advice import candidate_changes, configs_of
+
+    for sizes, world in ((dict(pp=2, dp_shard=2, tp=2, microbatches=4), 8), (dict(dp_shard=8), 8)):
+        config = Par3DConfig(**sizes)
+        layout = resolve_layout(config, world)
+        assert layout is not None
+        changes = candidate_changes(config, layout, rank_batch=8, num_workers=0)
+        for change, changed in zip(changes, configs_of(config, layout, changes)[1:], strict=True):
+            assert resolve_layout(changed, world) is not None, change.description
+        assert any("HSDP" in c.description for c in changes) == (layout.dp_shard >= 4)

@@ -145,7 +145,7 @@ def test_rejected_layouts_carry_their_reason(tables):
     assert any("zero_stage=2" in r for r in reasons.values())  # resolve_layout's own message
     across = _plan(8, devices_per_node=2)
     assert all("across nodes" in row.reason for row in across if row.layout and row.layout.tp > 2)
-    with pytest.raises(ValueError, match=r"can run:\n  - 36× tp=4 would put tensor-parallel groups across nodes"):
+    with pytest.raises(ValueError, match=r"can run:\n  - 36× tp=4 puts tensor-parallel groups across nodes"):
         _plan(8, fixed={"tp": 4}, devices_per_node=2)
 
 

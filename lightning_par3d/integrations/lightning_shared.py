@@ -174,7 +174,7 @@ class LightningFrontEnd:
         ``configure_model``) and the shape of a batch of ``loader`` (or ``plan_batch``; ``where`` names the loader
         in the error if neither tells it)."""
         rank_batch, seq_len = batch_shape(self.engine.config, loader, where)
-        self.engine.choose_layout(module if self.global_rank == 0 else None, rank_batch, seq_len, self.num_processes)
+        self.engine.choose_layout(module if self.global_rank == 0 else None, rank_batch, seq_len)
 
     def _note_precision(self) -> None:
         """Tells the engine the precision before the layout is resolved (Fabric; the Trainer does it when Lightning
@@ -218,7 +218,7 @@ class LightningFrontEnd:
             self.cluster_environment, self.root_device, self._process_group_backend, config.timeout_s
         )
         self._process_group_backend = backend
-        self.engine.setup(self.root_device, backend)
+        self.engine.setup(self.root_device, backend, devices_per_node=self.num_processes)
 
     def barrier(self: Any, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier()

@@ -149,7 +149,8 @@ def _data_parallel_changes(layout: Layout) -> list[Change]:
         for stage in (1, 2, 3):
             if stage != layout.zero and not (stage == 2 and layout.pp > 1):
                 changes.append(Change("dp_comm", f"zero_stage={stage}", dict(zero_stage=stage)))
-        if layout.dp_replicate == 1 and layout.dp_shard % 2 == 0 and layout.zero == 3:
+        if layout.dp_replicate == 1 and layout.dp_shard % 2 == 0 and layout.dp_shard >= 4 and layout.zero == 3:
+            # HSDP shards over dp_shard // 2 ranks; with dp_shard=2 nothing would be left to shard over
             replicas = dict(dp_replicate=2, dp_shard=layout.dp_shard // 2)
             changes.append(Change("dp_comm", "dp_replicate=2 (HSDP)", replicas))
     elif layout.tp == 1 and layout.pp == 1:

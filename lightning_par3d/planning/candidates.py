@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par3d.config import AC_MODES, Layout, Par3DConfig, resolve_layout
+from lightning_par3d.parallel.locality import tp_across_nodes
 from lightning_par3d.pipeline.schedules import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
 
 SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -167,11 +168,9 @@ def rejection(
     except ValueError as error:
         return None, _one_line(str(error))
     assert layout is not None
-    if layout.tp > devices_per_node or devices_per_node % layout.tp:
-        return layout, (
-            f"tp={layout.tp} would put tensor-parallel groups across nodes of {devices_per_node} devices; their "
-            f"collectives run in every layer. Keep tp a divisor of {devices_per_node}."
-        )
+    across = tp_across_nodes(layout, devices_per_node)
+    if across is not None:
+        return layout, across
     if rank_batch is None:
         assert global_batch is not None
         if global_batch % layout.dp:

@@ -71,6 +71,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.parallel.locality import spans_nodes
 from lightning_par3d.planning.machine import Link, Machine
 from lightning_par3d.planning.probe import StageParams, StageWork
 
@@ -156,19 +157,6 @@ def bucketed(kind: str, size: float, n: int, link: Link) -> list[float]:
 
 
 # ---------------------------------------------------------------- which link a group uses
-
-
-@functools.cache
-def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int) -> bool:
-    """Whether any ``group`` (a mesh dimension, or ``dp``) of the mesh ``shape`` holds ranks of two nodes."""
-    from lightning_par3d.parallel.mesh import Par3DMesh
-
-    pp, dp_replicate, dp_shard, tp = shape
-    mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))
-    world = pp * dp_replicate * dp_shard * tp
-    if world <= devices_per_node:
-        return False
-    return any(len({r // devices_per_node for r in mesh.group_ranks(group, rank)}) > 1 for rank in range(world))
 
 
 def group_link(layout: Layout, group: str, machine: Machine, devices_per_node: int) -> Link:
