@@ -167,6 +167,12 @@ class Par3DConfig:
     planner sizes activations and time by. None: read at launch from the training dataloader (its ``batch_size``
     and the first sample's last dimension; Fabric, which has no dataloader then, needs it given)."""
 
+    elastic: bool = False
+    """Train on when the world size changes between launches (torchrun ``--nnodes=MIN:MAX``, or a restart at another
+    size): the sizes set here stay where they still divide the world (``pp``, ``tp``), data parallelism takes the
+    rest, and a run resumed from a checkpoint keeps the global batch (``accumulate_grad_batches`` adjusted) and the
+    epoch's global sample order (:mod:`lightning_par3d.elastic`). The Trainer only, for now."""
+
     @classmethod
     def from_accelerate(cls, parallelism_config: Any, **fields: Any) -> Par3DConfig:
         """The par3d config of an Accelerate ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` and

@@ -134,6 +134,8 @@ class Par3DEngine:
         self._mesh: Par3DMesh | None = None
         self._device: torch.device | None = None
         self._devices_per_node: int | None = None
+        self.relayout_note: str | None = None
+        """Under ``elastic=True``, what :meth:`resolve` changed in the sizes to fit the world (None: nothing)."""
         self._backend = "gloo"
         self._module: nn.Module | None = None
         self._forward_module: nn.Module | None = None
@@ -149,6 +151,10 @@ class Par3DEngine:
         ``ValueError`` listing every problem; call it before any process is launched."""
         self._world = (world_size, device_type)
         check_compression_device(self.config.grad_compression, device_type)
+        if self.config.elastic:  # the sizes that still fit this world (lightning_par3d.elastic)
+            from lightning_par3d.elastic import relayout
+
+            self.config, self.relayout_note = relayout(self.config, world_size)
         if self.awaits_layout:
             from lightning_par3d.planning.at_launch import check_before_launch
 

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # 3: what composes them, and what reads their results
     ("parallel.parallelize", "checkpoint.*", "memory.meters"),
     # 4: the engine, and the estimator (which simulates what the engine builds; in a fresh interpreter for a rank)
-    ("engine", "memory.estimate", "memory.estimate_process", "planning", "planning.*", "plan"),
+    ("engine", "elastic", "memory.estimate", "memory.estimate_process", "planning", "planning.*", "plan"),
     # 5: front-ends and observers
     ("integrations", "integrations.*", "callbacks", "callbacks.*", "accelerate", "transformers", "smoke"),
     # 6: the public package

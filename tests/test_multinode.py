@@ -10,9 +10,6 @@ Each launch is a background case (``tests/background.py``): one launch trains al
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,8 +20,8 @@ import torch
 from tests import background
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_reference
+from tests.launch import clean_env, free_port, start, wait_all
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/multinode_script.py"
 NODES, PER_NODE = 2, 2
 TORCHRUN_LAYOUTS: list[dict[str, Any]] = [
@@ -34,42 +31,6 @@ TORCHRUN_LAYOUTS: list[dict[str, Any]] = [
     {"tp": 4},  # tp across nodes: trains, with a warning
 ]
 SLURM_LAYOUTS: list[dict[str, Any]] = [{"dp_shard": 2, "tp": 2}]
-LAUNCH_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment of a fresh job: no rank or SLURM variables of an enclosing one."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("SLURM_") and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return {**env, **extra}
-
-
-def wait_all(procs: list[subprocess.Popen], folder: Path) -> list[tuple[int, str]]:
-    """Waits for every process (killing every group past the timeout); each one's exit code and output."""
-    try:
-        for proc in procs:
-            proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                background.kill_group(proc.pid)
-                proc.wait()
-            background.forget(proc.pid)
-    return [(proc.returncode, (folder / f"out{i}.txt").read_text(errors="replace")) for i, proc in enumerate(procs)]
-
-
-def start(command: list[str], folder: Path, i: int, env: dict[str, str]) -> subprocess.Popen:
-    out = (folder / f"out{i}.txt").open("w")
-    return background.popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
 def torchrun_agents(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
@@ -81,7 +42,7 @@ def torchrun_agents(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=par3d-multinode", "--max-restarts=0",
         SCRIPT, str(folder), json.dumps(TORCHRUN_LAYOUTS), str(NODES),
     ]  # fmt: skip
-    procs = [start(command, folder, i, clean_env()) for i in range(NODES)]
+    procs = {i: start(command, folder, i, clean_env()) for i in range(NODES)}
     return folder, wait_all(procs, folder)
 
 
@@ -94,8 +55,8 @@ def slurm_tasks(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
         SLURM_JOB_ID="4242", SLURM_JOB_NAME="par3d-test", SLURM_NODELIST="127.0.0.1",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
     )  # fmt: skip
-    procs = [
-        start(
+    procs = {
+        rank: start(
             [sys.executable, SCRIPT, str(folder), json.dumps(SLURM_LAYOUTS), str(NODES)],
             folder,
             rank,
@@ -104,7 +65,7 @@ def slurm_tasks(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
             ),
         )
         for rank in range(world)
-    ]
+    }
     return folder, wait_all(procs, folder)
 
 

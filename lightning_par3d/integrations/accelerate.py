@@ -36,6 +36,7 @@ from accelerate.utils import InitProcessGroupKwargs, recursively_apply
 from torch import nn
 
 from lightning_par3d.config import Par3DConfig, changed_settings, config_from, field_settings
+from lightning_par3d.elastic import check_front_end
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.integrations.accelerate_prepare import PreparedForPar3D
 from lightning_par3d.integrations.accelerate_state import Par3DStateCheckpoints
@@ -102,9 +103,11 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         plan_machine: str | None = None,
         plan_device_memory: int | str | None = None,
         plan_batch: list[int] | None = None,
+        elastic: bool = False,
         **kwargs: Any,
     ) -> None:
         config = _config(par3d, parallelism_config, locals())
+        check_front_end("Par3DAccelerator", config)
         mixed, cpu = _checked_accelerate_arguments(kwargs)
         self.engine = Par3DEngine(config, precision=PRECISIONS[mixed])
         world = _world_size()

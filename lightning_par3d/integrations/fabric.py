@@ -87,6 +87,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpoints, ParallelS
         plan_machine: str | None = None,
         plan_device_memory: int | str | None = None,
         plan_batch: list[int] | None = None,
+        elastic: bool = False,
     ) -> None:
         self.engine = shared.engine_for(type(self).__name__, config, locals())
         super().__init__(

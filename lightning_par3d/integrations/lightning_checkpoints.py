@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par3d.checkpoint import dcp as ckpt
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.integrations.lightning_elastic import ElasticTraining
 
 
-class ShardedCheckpoints(ParallelStrategy):
-    """Mixed into :class:`~lightning_par3d.integrations.trainer.Par3DStrategy` (which sets ``engine``)."""
+class ShardedCheckpoints(ElasticTraining):
+    """Mixed into :class:`~lightning_par3d.integrations.trainer.Par3DStrategy` (which sets ``engine``); an elastic
+    run's state travels in its checkpoints (see :mod:`lightning_par3d.integrations.lightning_elastic`)."""
 
     engine: Par3DEngine
 
@@ -57,6 +58,7 @@ class ShardedCheckpoints(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`.")
+        self.add_elastic_state(checkpoint)
         model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
         self.engine.save(self.broadcast(str(filepath)), checkpoint, optimizer_states, model_state)
 
@@ -65,7 +67,9 @@ class ShardedCheckpoints(ParallelStrategy):
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
         strict = self.lightning_module.strict_loading
-        return self.engine.load(path, self.optimizers, strict=strict, weights_only=weights_only)
+        checkpoint = self.engine.load(path, self.optimizers, strict=strict, weights_only=weights_only)
+        self.take_elastic_state(checkpoint)
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

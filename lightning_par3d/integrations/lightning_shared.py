@@ -26,6 +26,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_par3d.config import Layout, Par3DConfig, config_from
+from lightning_par3d.elastic import check_front_end
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel import groups
 from lightning_par3d.parallel.mesh import Par3DMesh
@@ -37,7 +38,9 @@ T = TypeVar("T")
 def engine_for(owner: str, config: Par3DConfig | None, values: Mapping[str, Any]) -> Par3DEngine:
     """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (not both);
     ``values`` is the strategy's ``locals()`` (see :func:`~lightning_par3d.config.config_from`)."""
-    return Par3DEngine(config_from(owner, config, values))
+    resolved = config_from(owner, config, values)
+    check_front_end(owner, resolved)
+    return Par3DEngine(resolved)
 
 
 def init_distributed(
@@ -48,11 +51,13 @@ def init_distributed(
     join; returns the backend. :meth:`Par3DEngine.setup <lightning_par3d.engine.Par3DEngine.setup>` then sets the
     collective timeout, as it does for a group anyone else created."""
     backend = backend or _get_default_process_group_backend_for_device(device)
+    store = groups.restart_store(timeout_s)  # under torchrun: this launch's keys only
     _init_dist_connection(
         cluster_environment,
         backend,
         timeout=groups.join_timeout(timeout_s),
         device_id=device if device.type != "cpu" else None,
+        **({"store": store} if store is not None else {}),
     )
     return backend
 

@@ -95,6 +95,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         plan_machine: str | None = None,
         plan_device_memory: int | str | None = None,
         plan_batch: list[int] | None = None,
+        elastic: bool = False,
     ) -> None:
         self.engine = shared.engine_for(type(self).__name__, config, locals())
         super().__init__(
@@ -144,6 +145,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
     @override
     def setup_environment(self) -> None:
         self.resolve_world()  # raises before the process group exists if the sizes do not fit
+        self.check_elastic_launch()
         super().setup_environment()
         self.start_distributed()
         module = self.lightning_module
@@ -179,6 +181,8 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         spec = self.engine.pipeline_spec
         if spec is not None:  # what the loss logs on the last stage, every stage logs
             install_loss(module, spec.loss, LogRelay(self.engine, module))
+        if self.engine.relayout_note:
+            rank_zero_info(f"par3d {self.engine.relayout_note}")
         rank_zero_info(self.engine.describe())
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         self.barrier()

@@ -22,6 +22,7 @@ Both go when the default group does (Lightning and Accelerate destroy it at exit
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +51,27 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def restart_store(timeout_s: float) -> Any | None:
+    """Under torchrun's elastic agent with its shared store (``TORCHELASTIC_USE_AGENT_STORE=True``, the default):
+    a client of the agent's store, with keys prefixed by this launch (the restart count and the world size), else
+    None.
+
+    The agent keeps one store for every round of its rendezvous, and ``init_process_group`` prefixes nothing per
+    restart; so after a restart (a failure, or a node lost or joined) a rank could read the addresses the previous
+    launch's ranks left there and connect to a dead one ("Connection refused"). A restart after a failure raises the
+    restart count, a node that joins raises the world size, so the pair names one launch."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    launch = f"par3d/launch_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_{os.environ['WORLD_SIZE']}"
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False,
+        timeout=join_timeout(timeout_s),
+    )  # fmt: skip
+    return dist.PrefixStore(launch, agent)
+
+
 def init_default_group(device: torch.device, timeout_s: float, backend: str | None = None) -> str:
     """Initializes the default process group from the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``, as torchrun sets them) if nobody has, giving the ranks :func:`join_timeout` to join; returns
@@ -63,6 +85,9 @@ def init_default_group(device: torch.device, timeout_s: float, backend: str | No
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    store = restart_store(timeout_s)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, timeout=join_timeout(timeout_s), **kwargs)
     return backend
 

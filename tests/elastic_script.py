@@ -1,0 +1,133 @@
+"""A user's elastic training script, as torchrun's elastic agent runs it (again from the start at each restart):
+
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        tests/elastic_script.py OUT '{"dp_shard": 2, "tp": 2}' 8
+
+trains the example GPT with ``Par3DStrategy(elastic=True)``, 4 samples per data-parallel rank and batch (the global
+batch of ``tests.constants`` on 4 ranks at dp=2), writes ``last.ckpt`` into ``OUT/ckpt`` after every step, and
+resumes from the newest with ``ckpt_path="last"``. Rank 0 appends each optimizer step (its loss, the data-parallel
+mean, summed over its accumulated batches; the input rows every rank read in it; the world size) to
+``OUT/steps.jsonl``, and ``OUT/final.pt`` holds the whole model's parameters at the end.
+
+For the test to take a node away and give it back at known points:
+
+* on 4 ranks, at the start of step 3, rank 2 (the second node) writes ``OUT/lose_node`` and waits: the test kills
+  that node's agent and its workers, and the first node's ranks find their peers gone;
+* on 2 ranks, at the start of step 5, rank 0 writes ``OUT/add_node`` and waits: the test starts another agent, and
+  the running agent restarts its workers at 4 ranks.
+
+Each rank also writes wall-clock times (``OUT/times.jsonl``: the script's start, the process group and mesh ready,
+the checkpoint loaded, the first step done, a failure seen), from which the test reads the recovery time.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from examples.data import ShakespeareDataModule  # noqa: E402
+from examples.gpt import GPTModule  # noqa: E402
+from lightning_par3d import Par3DConfig, Par3DStrategy  # noqa: E402
+from tests.constants import DATA, MODEL, SEED  # noqa: E402
+from tests.gpt_runs import full_state  # noqa: E402
+
+RANK_BATCH = 4
+TIMEOUT_S = 20
+
+
+def note(out: Path, event: str, **extra: Any) -> None:
+    with (out / "times.jsonl").open("a") as f:
+        f.write(
+            json.dumps(
+                {"event": event, "time": time.time(), "rank": int(os.environ["RANK"]), "pid": os.getpid(), **extra}
+            )
+            + "\n"
+        )
+
+
+def wait_to_be_stopped(out: Path, name: str) -> None:
+    """Writes ``out/name`` and waits until a signal ends the process (the test kills it, or the agent stops it)."""
+    (out / name).write_text(str(time.time()))
+    while True:
+        time.sleep(0.2)
+
+
+class Steps(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.step: dict[str, Any] = {"loss": 0.0, "rows": []}
+        self.first_done = False
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        note(self.out, "process_group_and_mesh", world=trainer.world_size)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        note(self.out, "checkpoint_loaded", step=checkpoint.get("global_step"))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+        world, step, rank = trainer.world_size, trainer.global_step, trainer.global_rank
+        if world == 4 and step == 3 and rank == 2:
+            wait_to_be_stopped(self.out, "lose_node")
+        if world == 2 and step == 5 and rank == 0:
+            wait_to_be_stopped(self.out, "add_node")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
+        rows: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(rows, batch[0].tolist())
+        self.step["loss"] += loss
+        self.step["rows"] += [r for rank_rows in rows for r in rank_rows]
+        stepped = not trainer.fit_loop.epoch_loop._should_accumulate()
+        if not stepped:
+            return
+        if trainer.is_global_zero:
+            record = {"step": trainer.global_step - 1, "world": trainer.world_size, **self.step}
+            with (self.out / "steps.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.step = {"loss": 0.0, "rows": []}
+        if not self.first_done:
+            self.first_done = True
+            note(self.out, "first_step", world=trainer.world_size, step=trainer.global_step)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        note(self.out, "failure_seen", error=type(exception).__name__)
+
+
+def main(out: Path, layout: dict[str, Any], max_steps: int) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # the agent stops workers with SIGTERM
+    note(out, "script_start", world=int(os.environ["WORLD_SIZE"]), at=STARTED)
+    L.seed_everything(SEED, verbose=False)
+    world = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    strategy = Par3DStrategy(Par3DConfig(**layout, elastic=True, timeout_s=TIMEOUT_S))
+    saver = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=out / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=per_node, num_nodes=world // per_node, strategy=strategy, max_steps=max_steps,
+        callbacks=[Steps(out), saver], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    module = GPTModule(**MODEL)
+    trainer.fit(module, ShakespeareDataModule(batch_size=RANK_BATCH, **DATA), ckpt_path="last")
+    params = full_state(module)
+    if trainer.is_global_zero:
+        torch.save(params, out / "final.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]))
