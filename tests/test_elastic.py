@@ -2,9 +2,10 @@
 layout each world allows, with the same global batch and the same global sample order, and stays on the
 single-process trajectory.
 
-The job trains dp_shard=2 × tp=2 on 4 ranks and writes ``last.ckpt`` at every step; it stops mid-epoch (as a lost
-node stops it), resumes on 2 ranks (``ckpt_path="last"``: tp=2 kept, dp 2 -> 1, ``accumulate_grad_batches`` 1 -> 2),
-crosses an epoch there, stops mid-epoch again and resumes on 4 ranks. Every optimizer step's loss, the samples each
+The job trains dp_shard=2 × tp=2 (and pp=2 × dp_shard=2) on 4 ranks and writes ``last.ckpt`` at every step; it
+stops mid-epoch (as a lost node stops it), resumes on 2 ranks (``ckpt_path="last"``: tp=2 (pp=2) kept, dp 2 -> 1,
+``accumulate_grad_batches`` 1 -> 2), crosses an epoch there, stops mid-epoch again and resumes on 4 ranks: in the
+pool, and under torchrun's elastic agent with a node killed and one added. Every optimizer step's loss, the samples each
 step read (from the batches' own contents, on every rank) and the final parameters are compared with one process.
 """
 
