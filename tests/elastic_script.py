@@ -37,13 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from examples.data import ShakespeareDataModule  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_par3d import Par3DConfig, Par3DStrategy  # noqa: E402
 from tests.constants import DATA, MODEL, SEED  # noqa: E402
-from tests.gpt_runs import full_state  # noqa: E402
+from tests.gpt_runs import StepRecorder, full_state  # noqa: E402
 
 RANK_BATCH = 4
 TIMEOUT_S = 20
@@ -66,10 +65,13 @@ def wait_to_be_stopped(out: Path, name: str) -> None:
         time.sleep(0.2)
 
 
-class Steps(L.Callback):
+class Steps(StepRecorder):
+    """Each step's record appended to ``OUT/steps.jsonl`` (rank 0), the times of the run's milestones, and the
+    pauses at which the test takes a node away and adds one."""
+
     def __init__(self, out: Path) -> None:
+        super().__init__()
         self.out = out
-        self.step: dict[str, Any] = {"loss": 0.0, "rows": []}
         self.first_done = False
 
     def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
@@ -78,27 +80,19 @@ class Steps(L.Callback):
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         note(self.out, "checkpoint_loaded", step=checkpoint.get("global_step"))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_batch_start(trainer, *args)
         world, step, rank = trainer.world_size, trainer.global_step, trainer.global_rank
         if world == 4 and step == 3 and rank == 2:
             wait_to_be_stopped(self.out, "lose_node")
         if world == 2 and step == 5 and rank == 0:
             wait_to_be_stopped(self.out, "add_node")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
-        rows: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(rows, batch[0].tolist())
-        self.step["loss"] += loss
-        self.step["rows"] += [r for rank_rows in rows for r in rank_rows]
-        stepped = not trainer.fit_loop.epoch_loop._should_accumulate()
-        if not stepped:
-            return
+    def on_step_done(self, trainer: L.Trainer, step: int, record: dict[str, Any]) -> None:
         if trainer.is_global_zero:
-            record = {"step": trainer.global_step - 1, "world": trainer.world_size, **self.step}
+            line = {"step": step, "world": trainer.world_size, "loss": record["loss"], "rows": sorted(record["rows"])}
             with (self.out / "steps.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
-        self.step = {"loss": 0.0, "rows": []}
+                f.write(json.dumps(line) + "\n")
         if not self.first_done:
             self.first_done = True
             note(self.out, "first_step", world=trainer.world_size, step=trainer.global_step)

@@ -34,6 +34,34 @@ class LossRecorder(L.Callback):
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
+class StepRecorder(L.Callback):
+    """Each optimizer step's loss (the data-parallel mean, summed over its accumulated batches, which Lightning has
+    divided by the accumulation) and the input rows every rank read in it (a set: tensor-parallel and pipeline peers
+    read the same rows), keyed by the step. :meth:`on_step_done` is called once a step's last batch is recorded."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, Any]] = {}
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._step = trainer.global_step  # the optimizer step this batch is part of
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        import torch.distributed as dist
+
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
+        rows: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, batch[0].tolist())
+        record = self.steps.setdefault(self._step, {"loss": 0.0, "rows": set()})
+        record["loss"] += loss
+        record["rows"].update(tuple(r) for rank_rows in rows for r in rank_rows)
+        if trainer.global_step > self._step:  # the optimizer stepped on this batch
+            self.on_step_done(trainer, self._step, record)
+
+    def on_step_done(self, trainer: L.Trainer, step: int, record: dict[str, Any]) -> None:
+        """Called once per optimizer step, after its last batch."""
+
+
 class ReferenceData(ShakespeareDataModule):
     """The single-process data: the permutation a seeded DistributedSampler gives, read ``global_batch`` at a time."""
 

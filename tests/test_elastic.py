@@ -35,34 +35,12 @@ from lightning_par3d.elastic import ElasticSampler, accumulation_for, relayout
 from tests import background
 from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
-from tests.gpt_runs import full_state, run_reference, trainer_kwargs
+from tests.gpt_runs import StepRecorder, full_state, run_reference, trainer_kwargs
 from tests.launch import clean_env, free_port, start, wait_all
 
 RANK_BATCH = 4
 """Samples per data-parallel rank and batch, the same at every world size (the user's DataModule)."""
 LAYOUT = dict(dp_shard=2, tp=2)
-
-
-class StepRecorder(L.Callback):
-    """Each optimizer step's loss (the data-parallel mean, summed over its accumulated batches, which Lightning has
-    divided by the accumulation) and the rows of input every rank read in it."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, dict[str, Any]] = {}
-        self._step = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._step = trainer.global_step  # the optimizer step this batch is part of
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-        import torch.distributed as dist
-
-        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
-        rows: list[list[list[int]]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(rows, batch[0].tolist())
-        record = self.steps.setdefault(self._step, {"loss": 0.0, "rows": set()})
-        record["loss"] += loss
-        record["rows"].update(tuple(r) for rank_rows in rows for r in rank_rows)
 
 
 def elastic_job(layout: dict[str, Any], ckpt_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:

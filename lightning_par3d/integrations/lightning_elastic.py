@@ -60,7 +60,12 @@ class ElasticTraining(ParallelStrategy):
                 "Trainer(use_distributed_sampler=True) and let the dataloader shuffle (or not) by itself."
             )
         rank_batch = dataloader.batch_size
-        assert rank_batch is not None, "elastic=True needs a dataloader with a batch_size"
+        if rank_batch is None:
+            raise ValueError(
+                "par3d elastic=True counts the global batch in samples, but the training dataloader has no batch_size "
+                "(it batches through a batch_sampler). Give the DataLoader batch_size= and let Lightning's sampler "
+                "split the data."
+            )
         layout = self.engine.layout
         resume, self._elastic_resume = self._elastic_resume, None
         start_epoch, start_sample = 0, 0
