@@ -315,47 +315,30 @@ def test_fabric_resume_at_another_layout(pool4, tmp_path, before, after):
 # ---------------------------------------------------------------- releasing the meshes
 
 
-def _mesh_threads(rank: int, port: int, results: Any) -> None:
-    """In a fresh process of a 2-rank job: OS threads before any mesh, with the meshes of three layouts, and after
-    ``destroy_meshes``."""
-    import torch.distributed as dist
-
-    from lightning_par3d import Par3DConfig, resolve_layout
-    from lightning_par3d.parallel import groups
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
-    before = threads()
-    for config in (Par3DConfig(dp_shard=2), Par3DConfig(tp=2), Par3DConfig(pp=2)):
-        groups.acquire_mesh(resolve_layout(config, 2), torch.device("cpu"), "gloo", 60)
-    held = threads()
-    destroyed = groups.destroy_meshes()
-    gc.collect()
-    results.put((rank, before, held, threads(), destroyed))
-    dist.destroy_process_group()
-
-
 def test_destroy_meshes_releases_the_groups_threads():
     """par3d keeps one mesh per layout for the life of the process (DTensor's caches), and
-    ``groups.destroy_meshes()`` gives their process groups and transport threads back. A fresh 2-process job, not the
-    pool: destroyed meshes would poison later jobs at the same layout in a long-lived worker."""
-    import socket
+    ``groups.destroy_meshes()`` gives their process groups and transport threads back. A fresh 2-process job
+    (``tests/mesh_threads_script.py``), not the pool: destroyed meshes would poison later jobs at the same layout in
+    a long-lived worker."""
+    import json
+    import subprocess
+    import sys
 
-    import torch.multiprocessing as mp
+    from tests.launch import ROOT, clean_env, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [context.Process(target=_mesh_threads, args=(rank, port, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-    for _rank, before, held, after, destroyed in got:
-        assert destroyed == 3
-        assert held - before >= 6, (before, held)  # each layout's groups hold transport threads
-        assert after <= before + 1, (before, held, after)
+    port = str(free_port())
+    script = [sys.executable, "tests/mesh_threads_script.py"]
+    ranks = [
+        subprocess.Popen([*script, str(rank), port], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    for got in (json.loads(out.strip().splitlines()[-1]) for out in outputs):
+        assert got["destroyed"] == 3, got
+        assert got["held"] - got["before"] >= 6, got  # each layout's groups hold transport threads
+        assert got["after"] <= got["before"] + 1, got

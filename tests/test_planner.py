@@ -72,17 +72,18 @@ def test_every_layout_resolve_layout_accepts_is_listed(tables, world):
     assert [row.time.total for row in table.fitting] == sorted(row.time.total for row in table.fitting)
 
 
-def _sample(table: object, per_class: int) -> list[object]:
+def _sample(table: object, per_class: int, by_microbatches: bool = True) -> list[object]:
     """Rows covering every kind of layout: per (pp, tp, ZeRO, replicas, schedule kind, microbatches, checkpointing),
-    the first ``per_class`` rows."""
+    the first ``per_class`` rows (without ``by_microbatches``, the microbatch count does not make a kind)."""
     taken: dict[tuple, int] = {}
     rows = []
     for row in table:
         if row.memory is None:
             continue
         layout, config = row.layout, row.config
-        kind = (layout.pp, layout.tp, layout.zero, layout.dp_replicate > 1, layout.stages_per_rank,
-                config.microbatches if layout.pp > 1 else 0, config.activation_checkpointing)  # fmt: skip
+        microbatches = config.microbatches if layout.pp > 1 and by_microbatches else 0
+        kind = (layout.pp, layout.tp, layout.zero, layout.dp_replicate > 1, layout.stages_per_rank, microbatches,
+                config.activation_checkpointing)  # fmt: skip
         if taken.get(kind, 0) < per_class:
             taken[kind] = taken.get(kind, 0) + 1
             rows.append(row)
@@ -90,17 +91,17 @@ def _sample(table: object, per_class: int) -> list[object]:
 
 
 def test_memory_is_the_estimators_for_every_kind_of_layout_at_four_ranks(tables):
-    """A row of every kind of layout at 4 ranks, two of each (the same comparison over all of them passed: 56 of
-    56)."""
-    rows = _sample(tables[4], per_class=2)
-    assert len(rows) > 20
+    """A row of every kind of layout at 4 ranks (the same comparison over all of them passed: 56 of 56)."""
+    rows = _sample(tables[4], per_class=1)
+    assert len(rows) >= 20
     for row in rows:
         assert row.memory == _estimate(row, 4), row.describe()
 
 
 def test_memory_is_the_estimators_at_eight_ranks(tables):
-    """At 8 ranks, a row of every kind of layout (the same comparison over all of them passed: 114 of 114)."""
-    rows = _sample(tables[8], per_class=1)
+    """At 8 ranks, a row of every kind of layout but the microbatch count, which the 4-rank test varies (the same
+    comparison over all of them passed: 114 of 114)."""
+    rows = _sample(tables[8], per_class=1, by_microbatches=False)
     assert len(rows) > 15
     for row in rows:
         assert row.memory == _estimate(row, 8), row.describe()
