@@ -103,12 +103,17 @@ def accumulation_for(global_batch: int, rank_batch: int, layout: Layout) -> int:
     ``layout``; ``ValueError`` naming the numbers where no whole number does."""
     per_pass = rank_batch * layout.dp
     if global_batch % per_pass:
+        fix = (
+            f"Use a per-rank batch size that divides {global_batch // layout.dp}, or a world whose data-parallel "
+            f"size divides {global_batch // rank_batch}."
+            if global_batch % layout.dp == 0
+            else f"No per-rank batch size can at dp={layout.dp}: launch a world whose data-parallel size divides "
+            f"{global_batch}."
+        )
         raise ValueError(
             f"elastic: the run's global batch is {global_batch} samples, and at {layout} one batch of every "
             f"data-parallel rank is {rank_batch} × dp={layout.dp} = {per_pass} samples, which does not divide it: "
-            f"no accumulate_grad_batches keeps the global batch. Use a per-rank batch size that divides "
-            f"{global_batch // math.gcd(global_batch, layout.dp)}, or a world whose data-parallel size divides "
-            f"{global_batch // rank_batch}."
+            f"no accumulate_grad_batches keeps the global batch. {fix}"
         )
     return global_batch // per_pass
 

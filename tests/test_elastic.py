@@ -131,6 +131,12 @@ def test_accumulation_keeps_the_global_batch_or_says_why_it_cannot():
     assert accumulation_for(16, 4, layout) == 2
     with pytest.raises(ValueError, match=r"global batch is 12 samples.*4 × dp=2 = 8 samples, which does not divide"):
         accumulation_for(12, 4, layout)
+    with pytest.raises(ValueError, match=r"Use a per-rank batch size that divides 6, or a world whose data-parallel"):
+        accumulation_for(12, 4, layout)
+    wide = resolve_layout(Par3DConfig(dp_shard=8), 8)
+    assert wide is not None
+    with pytest.raises(ValueError, match=r"No per-rank batch size can at dp=8: launch a world whose .* divides 12"):
+        accumulation_for(12, 1, wide)
 
 
 def test_the_sampler_is_distributed_samplers_order_from_any_global_position():
