@@ -16,7 +16,7 @@ from tests.harness import DistPool
 _POOLS: dict[int, DistPool] = {}
 
 
-def pool(world_size: int) -> DistPool:
+def _pool(world_size: int) -> DistPool:
     """The session's pool of ``world_size`` ranks, started on first use."""
     if world_size not in _POOLS:
         _POOLS[world_size] = DistPool(world_size)
@@ -25,17 +25,25 @@ def pool(world_size: int) -> DistPool:
 
 @pytest.fixture(scope="session")
 def pool2() -> Iterator[DistPool]:
-    yield pool(2)
+    yield _pool(2)
 
 
 @pytest.fixture(scope="session")
 def pool4() -> Iterator[DistPool]:
-    yield pool(4)
+    yield _pool(4)
 
 
 @pytest.fixture(scope="session")
 def pool8() -> Iterator[DistPool]:
-    yield pool(8)
+    yield _pool(8)
+
+
+@pytest.fixture
+def pool(request: pytest.FixtureRequest) -> DistPool:
+    """The pool of the world size a test's parameter names, for tests parametrized over world sizes:
+    ``@pytest.mark.parametrize("pool", [2, 4], indirect=True)``. (Not ``request.getfixturevalue("pool4")``: the
+    ordering below could not see which pool such a test uses, and would stop and restart that pool around it.)"""
+    return _pool(request.param)
 
 
 REQUIRE_GPUS = "PAR3D_REQUIRE_GPUS"
@@ -70,8 +78,13 @@ POOL_FIXTURES = {"pool2": 2, "pool4": 4, "pool8": 8}
 
 
 def pools_of(item: pytest.Item) -> set[int]:
-    """The world sizes of the pools a test asks for."""
-    return {POOL_FIXTURES[name] for name in getattr(item, "fixturenames", ()) if name in POOL_FIXTURES}
+    """The world sizes of the pools a test asks for (``pool2``, ``pool4``, ``pool8``, or ``pool`` with its size as
+    the test's parameter)."""
+    names = getattr(item, "fixturenames", ())
+    sizes = {POOL_FIXTURES[name] for name in names if name in POOL_FIXTURES}
+    if "pool" in names:
+        sizes.add(item.callspec.params["pool"])  # type: ignore[attr-defined]
+    return sizes
 
 
 @pytest.hookimpl(trylast=True)
@@ -80,7 +93,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     starts once and no idle pool waits beside a busy one (an idle worker's gloo groups still poll). The tests that
     check background cases run last, when their cases have had the whole session to run. Within each part the
     collection order is kept."""
-    items.sort(key=lambda item: (bool(background.cases_of(item)), max(pools_of(item), default=0)))
+
+    def order(item: pytest.Item) -> tuple[bool, int, int]:
+        sizes = pools_of(item) or {0}
+        return bool(background.cases_of(item)), max(sizes), min(sizes)  # (2, 4) before (4,): pool 2 stops once
+
+    items.sort(key=order)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -81,9 +81,9 @@ LAYOUTS = [
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(("strategy", "devices"), LAYOUTS)
-def test_estimate_matches_measurement(strategy, devices, request):
-    pool = request.getfixturevalue(f"pool{devices}")
+@pytest.mark.parametrize(("strategy", "pool"), LAYOUTS, indirect=["pool"])
+def test_estimate_matches_measurement(strategy, pool):
+    devices = pool.world_size
     strategy = dict(strategy)
     precision = strategy.pop("precision", "32-true")
     measured = pool.run(measure_job, strategy=strategy, devices=devices, precision=precision)

@@ -222,11 +222,10 @@ def memory_job(stage: int, devices: int) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_measured_bytes_match_the_zero_formulas(world, request):
-    pool = request.getfixturevalue(f"pool{world}")
+@pytest.mark.parametrize("pool", [2, 4, 8], indirect=True)
+def test_measured_bytes_match_the_zero_formulas(pool):
     for stage in STAGES:
-        for rank, got in enumerate(pool.run(memory_job, stage=stage, devices=world, timeout=400)):
+        for rank, got in enumerate(pool.run(memory_job, stage=stage, devices=pool.world_size, timeout=400)):
             assert got["zero"] == stage
             expected = model_state_formula(got["shapes"], stage, got["n"], got["index"])
             measured = got["measured"]
