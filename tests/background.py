@@ -11,7 +11,7 @@ Every command runs in a session (process group) of its own, at niceness :data:`N
 back: root, or ``RLIMIT_NICE``): it takes the CPU the pooled jobs leave idle, and the pooled jobs, some of which time
 their own steps, keep their share. Whatever is still running at the end of the pytest session is killed.
 
-Environment: ``PAR3D_BG_WORKERS`` (default 3), how many cases run at once.
+Environment: ``PAR3D_BG_WORKERS`` (default 2), how many cases run at once.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-WORKERS = int(os.environ.get("PAR3D_BG_WORKERS", "3"))
+WORKERS = int(os.environ.get("PAR3D_BG_WORKERS", "2"))
 """How many cases run at once (``PAR3D_BG_WORKERS``)."""
 NICE = 10
 """The background's niceness. CFS weighs a nice-10 process at 110 against a pooled rank's 1024: the background runs
