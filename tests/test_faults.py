@@ -68,12 +68,12 @@ class Case:
     kill_save: str = ""
 
 
-FAULTS = [  # the stalls first: their waiting for the timeout overlaps the other trees' work
+FAULTS = [  # each stall beside a tree that works: a stall's wait for the timeout leaves the CPU to the other case
     Case("stall rank 1, dp", dict(dp_shard=2), 2, "stall", 1),
-    Case("stall rank 0, pp", dict(pp=2), 2, "stall", 0),
-    Case("stall rank 3, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 3),
     Case("kill rank 0, dp", dict(dp_shard=2), 2, "kill", 0),
+    Case("stall rank 0, pp", dict(pp=2), 2, "stall", 0),
     Case("kill rank 1, dp", dict(dp_shard=2), 2, "kill", 1),
+    Case("stall rank 3, dp x tp", dict(dp_shard=2, tp=2), 4, "stall", 3),
     Case("kill rank 0, DDP", dict(dp_replicate=2), 2, "kill", 0),
     Case("kill rank 0, pp", dict(pp=2), 2, "kill", 0),
     Case("raise on rank 1 in one step", dict(dp_shard=2), 2, "raise", 1),
