@@ -160,11 +160,13 @@ class _Server:
 
     def stop(self) -> None:
         """Closes the pipe (the server ends when it reads its end) and waits a little; kills it past that."""
-        if self.owner != os.getpid():
-            return  # a forked copy of the caller: the server is its parent's
         with contextlib.suppress(OSError):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
+        if self.owner != os.getpid():  # a forked copy of the caller: the server is its parent's; drop the copied pipes
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            return
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

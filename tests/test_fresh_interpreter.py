@@ -13,7 +13,7 @@ import pytest
 from lightning_par3d import fresh_interpreter
 from lightning_par3d.fresh_interpreter import call
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server forks: Linux only")
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server forks: Linux only")
 
 
 def where_am_i(tag: str) -> dict:
@@ -47,6 +47,7 @@ def sleep_forever() -> None:
     time.sleep(10**6)
 
 
+@LINUX
 def test_each_call_is_a_new_child_of_one_server_with_the_callers_environment_and_directory(tmp_path, monkeypatch):
     here = os.getcwd()
     monkeypatch.setenv("PAR3D_TEST_TAG", "first")
@@ -73,6 +74,7 @@ def test_a_child_that_exits_without_a_result_is_an_error_with_its_code_and_last_
         call(exit_without_result, what="the exit")
 
 
+@LINUX
 def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call():
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the sleep did not finish within 1 s"):
@@ -81,6 +83,7 @@ def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call():
     assert call(where_am_i, "after")["arg"] == "after"
 
 
+@LINUX
 def test_a_server_that_died_is_started_again_and_stop_server_ends_it():
     before = call(where_am_i, "before")["parent"]
     os.kill(before, 9)  # whether the next call finds it dead or it dies under that call, a new server serves it
@@ -88,3 +91,14 @@ def test_a_server_that_died_is_started_again_and_stop_server_ends_it():
     assert after != before
     fresh_interpreter.stop_server()
     assert not Path(f"/proc/{after}").exists()
+
+
+def test_without_fork_each_call_is_a_new_interpreter_of_its_own(monkeypatch, tmp_path):
+    """macOS and Windows: no server, a new ``python`` per call, with the same environment, directory and errors."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setenv("PAR3D_TEST_TAG", "plain")
+    monkeypatch.chdir(tmp_path)
+    got = call(where_am_i, "x")
+    assert got["parent"] == os.getpid() and (got["tag"], got["cwd"], got["arg"]) == ("plain", str(tmp_path), "x")
+    with pytest.raises(RuntimeError, match=r"its interpreter exited with code 3 and no result:\nlast words"):
+        call(exit_without_result, what="the exit")
