@@ -160,12 +160,14 @@ PAIRS = [
 
 def launched_run(name: str, steps: int, warmup: int, out: str) -> None:
     """Inside a job Lightning's launcher started (every rank runs this): :func:`timed_run`, and rank 0 writes the
-    kept steps' times to ``out``."""
+    kept steps' times to ``out``, with the torch threads each rank trained with (what its launcher gave it)."""
     import torch.distributed as dist
 
     times = timed_run(name, steps, warmup)
+    threads: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(threads, torch.get_num_threads())
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"times": times, "threads": threads}))
 
 
 def as_launched(pairs: list[tuple[str, str]], rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
@@ -181,8 +183,9 @@ def as_launched(pairs: list[tuple[str, str]], rounds: int, steps: int, warmup: i
                     command += ["--warmup", str(warmup), "--out", str(out)]
                     subprocess.run(command, env=env, check=True, capture_output=True, timeout=1800)
                     got = json.loads(out.read_text())
-                    times[name].extend(got)
-                    print(f"launched {r + 1}/{rounds}  {name:24s} median {statistics.median(got) * 1e3:7.1f} ms")
+                    times[name].extend(got["times"])
+                    median, threads = statistics.median(got["times"]) * 1e3, got["threads"]
+                    print(f"launched {r + 1}/{rounds}  {name:24s} median {median:7.1f} ms  threads by rank {threads}")
     return times
 
 

@@ -115,13 +115,20 @@ def run_reference(
     model: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     global_batch: int = GLOBAL_BATCH,
+    build_on_cpu: bool = False,
     **trainer_overrides: Any,
 ) -> dict:
     """The single-process run (Lightning's default strategy on one CPU device): trained once per session for each
-    distinct run (many modules compare with the same one), and handed out as a fresh dict of the same tensors."""
+    distinct run (many modules compare with the same one), and handed out as a fresh dict of the same tensors.
+
+    ``build_on_cpu`` builds the model (``configure_model``) on the CPU before ``fit``, as par3d's rank 0 builds it
+    (``init="rank0"``), where Lightning's single-device strategy would build it on its device: on a GPU, CUDA's
+    generator draws other numbers from the same seed."""
     spec = dict(max_steps=max_steps, model={**MODEL, **(model or {})}, data={**DATA, **(data or {})})
     if global_batch != GLOBAL_BATCH:
         spec["global_batch"] = global_batch
+    if build_on_cpu:
+        spec["build_on_cpu"] = True
     done = _train_reference(json.dumps({**spec, **trainer_overrides}, sort_keys=True))
     return {"losses": list(done["losses"]), "params": dict(done["params"])}
 
@@ -131,10 +138,14 @@ def _train_reference(spec: str) -> dict:
     run = json.loads(spec)
     max_steps, model, data = run.pop("max_steps"), run.pop("model"), run.pop("data")
     global_batch = run.pop("global_batch", GLOBAL_BATCH)
+    build_on_cpu = run.pop("build_on_cpu", False)
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **run))
     module = GPTModule(**model)
+    if build_on_cpu:
+        with torch.device("cpu"):
+            module.configure_model()  # fit's own call then finds the model built
     trainer.fit(module, ReferenceData(batch_size=global_batch, **data))
     return {"losses": recorder.losses, "params": full_state(module)}
 

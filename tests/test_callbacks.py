@@ -236,7 +236,10 @@ def test_the_estimate_survives_dtensor_caches_of_an_earlier_run(pool4, tmp_path:
 
 @pytest.mark.dist
 def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
-    results = pool2.run(observed_job, strategy=dict(dp_shard=2), devices=2, out=str(tmp_path), delay=0.05)
+    """0.2 s a sample, 0.8 s a step: a sleep, which the rest of the suite cannot stretch, where the optimizer's step
+    stretches with the load (at 0.05 s a sample, the optimizer came out on top once in the whole suite: 47 % of the
+    step against the dataloader's 31 %)."""
+    results = pool2.run(observed_job, strategy=dict(dp_shard=2), devices=2, out=str(tmp_path), delay=0.2)
     findings = results[0]["findings"]
     assert findings[0][0] == "dataloader", findings
     assert findings[0][2] in ("high", "critical")
