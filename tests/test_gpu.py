@@ -65,7 +65,7 @@ def _close_to_fp32(size: int, precision: str, **strategy: object) -> None:
 @pytest.mark.parametrize("strategy", [dict(), dict(activation_checkpointing="full")], ids=["plain", "full-ac"])
 def test_parity_on_one_gpu(strategy):
     """par3d at world size 1 on a CUDA device trains to the losses and parameters of Lightning's own single-device
-    run on the same GPU."""
+    run on the same GPU (its model built on the CPU, as par3d's rank 0 builds it)."""
     _parity(1, **strategy)
 
 
