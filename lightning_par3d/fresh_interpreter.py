@@ -99,7 +99,7 @@ def _run(request: Path, result: Path, log: Path, env: dict[str, str], timeout_s:
         try:
             done = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=timeout_s)
         except subprocess.TimeoutExpired as err:
-            raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s") from err
+            raise RuntimeError(f"{what} did not finish within {timeout_s:g} s") from err
     return done.returncode
 
 
@@ -133,15 +133,17 @@ class _Server:
             self.proc.stdin.flush()
         except OSError as err:
             raise _ServerGone from err
-        # The first answer waits for the server's imports when it has just started.
-        child = int(self._answer(timeout_s))
         try:
-            return int(self._answer(timeout_s))
+            child = int(self._answer(timeout_s))  # waits for the server's imports when it has just started
+            try:
+                return int(self._answer(timeout_s))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+                self._answer(30.0)  # the server reaps it, and is ready for the next call
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-            self._answer(30.0)  # the server reaps it
-            raise RuntimeError(f"{what} did not finish within {timeout_s:.0f} s") from None
+            self.stop()  # an answer it still owes this call would be read as the next call's: a new server serves it
+        raise RuntimeError(f"{what} did not finish within {timeout_s:g} s") from None
 
     def _answer(self, timeout_s: float) -> bytes:
         """The server's next line; ``TimeoutError`` after ``timeout_s``, ``_ServerGone`` if the pipe closed."""

@@ -84,6 +84,16 @@ def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call():
 
 
 @LINUX
+def test_a_timeout_before_the_server_answers_leaves_no_answer_for_the_next_call():
+    """A call that times out while a just-started server is still importing: the next call gets its own result, not
+    the answers the server owed the first."""
+    fresh_interpreter.stop_server()
+    with pytest.raises(RuntimeError, match=r"the early call did not finish within 0\.5 s"):
+        call(where_am_i, "early", what="the early call", timeout_s=0.5)
+    assert call(where_am_i, "next")["arg"] == "next"
+
+
+@LINUX
 def test_a_server_that_died_is_started_again_and_stop_server_ends_it():
     before = call(where_am_i, "before")["parent"]
     os.kill(before, 9)  # whether the next call finds it dead or it dies under that call, a new server serves it
