@@ -170,22 +170,31 @@ def launched_run(name: str, steps: int, warmup: int, out: str) -> None:
         Path(out).write_text(json.dumps({"times": times, "threads": threads}))
 
 
+def launch_once(name: str, steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]:
+    """One fresh ``python`` job whose ranks Lightning's launcher starts, as a user launches it: the kept steps' times
+    (the slowest rank's) and the torch threads each rank trained with. ``threads`` exports ``OMP_NUM_THREADS`` to
+    every rank, as a user who sets it does; None leaves each side's launcher to choose."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "times.json"
+        command = [sys.executable, __file__, "--launched-run", name, "--steps", str(steps)]
+        command += ["--warmup", str(warmup), "--out", str(out)]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=1800)
+        return dict(json.loads(out.read_text()))
+
+
 def as_launched(pairs: list[tuple[str, str]], rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
     """Every run a fresh ``python`` job whose ranks Lightning's launcher starts, as a user launches it."""
     times: dict[str, list[float]] = {name: [] for pair in pairs for name in pair}
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    with tempfile.TemporaryDirectory() as folder:
-        for r in range(rounds):
-            for a, b in pairs:
-                for name in (a, b) if r % 2 == 0 else (b, a):
-                    out = Path(folder) / "times.json"
-                    command = [sys.executable, __file__, "--launched-run", name, "--steps", str(steps)]
-                    command += ["--warmup", str(warmup), "--out", str(out)]
-                    subprocess.run(command, env=env, check=True, capture_output=True, timeout=1800)
-                    got = json.loads(out.read_text())
-                    times[name].extend(got["times"])
-                    median, threads = statistics.median(got["times"]) * 1e3, got["threads"]
-                    print(f"launched {r + 1}/{rounds}  {name:24s} median {median:7.1f} ms  threads by rank {threads}")
+    for r in range(rounds):
+        for a, b in pairs:
+            for name in (a, b) if r % 2 == 0 else (b, a):
+                got = launch_once(name, steps, warmup)
+                times[name].extend(got["times"])
+                median, threads = statistics.median(got["times"]) * 1e3, got["threads"]
+                print(f"launched {r + 1}/{rounds}  {name:24s} median {median:7.1f} ms  threads by rank {threads}")
     return times
 
 

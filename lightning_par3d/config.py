@@ -27,6 +27,8 @@ INIT_MODES = ("rank0", "meta", "pretrained")
 LAYOUT_MODES = (None, "auto")
 """``layout=``: the sizes as given (None), or chosen at launch (``"auto"``)."""
 ZERO_STAGES = (0, 1, 2, 3)
+COMPILE_OPTION_NAMES = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+"""The keywords of ``torch.compile`` that ``compile_options`` may set."""
 GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")
 
 
@@ -108,6 +110,16 @@ class Par3DConfig:
     ac_blocks: str | None = None
     """The blocks to checkpoint: a module class name (``"Block"``) or a module-name pattern (``"transformer.h.*"``).
     None: each member of the model's containers of repeated blocks."""
+
+    compile: bool = False
+    """Compile each repeated block (a transformer layer) in place with ``torch.compile``, after tensor parallelism
+    and activation checkpointing and before FSDP2 (torchtitan's order), on every layout, pipeline stages included.
+    Parameter and checkpoint names stay as they are, so a compiled run's checkpoint resumes eagerly and the other
+    way round (see lightning_par3d.parallel.compile)."""
+
+    compile_options: dict[str, Any] = field(default_factory=dict)
+    """With ``compile=True``: keywords for ``torch.compile`` (``mode``, ``fullgraph``, ``dynamic``, ``backend``,
+    ``options``). Empty: torch's defaults (the inductor backend)."""
 
     offload: bool = False
     """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's ``CPUOffloadPolicy``):
@@ -201,6 +213,8 @@ class Par3DConfig:
             self.tp_plan = dict(self.tp_plan.items()) if self.tp_plan else {}
         if not isinstance(self.split_points, list):
             self.split_points = list(self.split_points)
+        if not isinstance(self.compile_options, dict) and hasattr(self.compile_options, "items"):
+            self.compile_options = dict(self.compile_options.items())
         if self.plan_batch is not None and not isinstance(self.plan_batch, list):
             self.plan_batch = list(self.plan_batch)
 
@@ -405,6 +419,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
             f"{', '.join(map(repr, AC_MODES))}."
         )
     _check_positive_int(errors, "ac_every", config.ac_every, "checkpoint every n-th block under 'selective'")
+    _check_compile(config, errors)
     if isinstance(config.tp_plan, dict):
         for pattern, style in config.tp_plan.items():
             if style not in STYLE_NAMES:
@@ -414,6 +429,25 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
             f"tp_plan={config.tp_plan!r} must be a dict of module-name pattern → style, or 'auto' (the transformers "
             "model's own plan)."
         )
+
+
+def _check_compile(config: Par3DConfig, errors: _Errors) -> None:
+    if not isinstance(config.compile, bool):
+        errors.add(f"compile={config.compile!r} must be True or False.")
+    options = config.compile_options
+    if not isinstance(options, dict):
+        errors.add(
+            f"compile_options={options!r} must be a dict of torch.compile keywords ({', '.join(COMPILE_OPTION_NAMES)})."
+        )
+        return
+    unknown = sorted(set(options) - set(COMPILE_OPTION_NAMES))
+    if unknown:
+        errors.add(
+            f"compile_options has {', '.join(map(repr, unknown))}, which torch.compile does not take. Allowed: "
+            f"{', '.join(COMPILE_OPTION_NAMES)}."
+        )
+    if options and not config.compile:
+        errors.add(f"compile_options={options!r} set, but compile=False. Set compile=True, or drop compile_options.")
 
 
 def _check_zero_static(config: Par3DConfig, errors: _Errors) -> None:

@@ -47,6 +47,7 @@ from lightning_par3d.checkpoint import dcp as ckpt
 from lightning_par3d.checkpoint import hf as hf_checkpoint
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.parallel import faults, groups
+from lightning_par3d.parallel.compile import check_compile
 from lightning_par3d.parallel.compression import check_compression_device
 from lightning_par3d.parallel.data_parallel import no_gradient_sync
 from lightning_par3d.parallel.gather import gather_objects, gather_tensors, map_tensors
@@ -77,6 +78,8 @@ _MODEL_FIELDS = (
     "activation_checkpointing",
     "ac_every",
     "ac_blocks",
+    "compile",
+    "compile_options",
     "offload",
     "grad_compression",
     "init",
@@ -151,6 +154,8 @@ class Par3DEngine:
         ``ValueError`` listing every problem; call it before any process is launched."""
         self._world = (world_size, device_type)
         check_compression_device(self.config.grad_compression, device_type)
+        if self.config.compile:
+            check_compile(self.config.compile_options, device_type)
         if self.config.elastic:  # the sizes that still fit this world (lightning_par3d.elastic)
             from lightning_par3d.elastic import relayout
 

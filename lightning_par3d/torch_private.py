@@ -149,3 +149,10 @@ def skip_pipeline_metadata_vote() -> None:
             stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
 
     schedules._PipelineSchedule._warmup_p2p = own_vote  # type: ignore[method-assign]
+
+
+def triton_available() -> bool:
+    """Whether inductor can generate GPU code here (Triton installed and supporting the device)."""
+    from torch.utils._triton import has_triton
+
+    return bool(has_triton())

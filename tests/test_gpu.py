@@ -70,6 +70,19 @@ def test_parity_on_one_gpu(strategy):
 
 
 @pytest.mark.gpu(1)
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_compile_on_one_gpu(ac):
+    """compile=True on CUDA (inductor and Triton; fp32, TF32 off): the eager single-GPU run's losses and parameters,
+    the blocks sharing graphs, and no recompilation after the first step."""
+    from tests.compile_runs import run_compiled
+
+    strategy = dict(compile=True, activation_checkpointing=ac)
+    got = gpu_pool(1).run(run_compiled, strategy=strategy, devices=1, accelerator="gpu")[0]
+    assert_parity(got, reference())
+    assert got["graphs"][0] >= 1 and set(got["graphs"]) == {got["graphs"][0]}, got["graphs"]
+
+
+@pytest.mark.gpu(1)
 def test_bf16_mixed_on_one_gpu():
     _close_to_fp32(1, "bf16-mixed")
 

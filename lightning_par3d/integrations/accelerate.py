@@ -91,6 +91,8 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         activation_checkpointing: str = "none",
         ac_every: int = 2,
         ac_blocks: str | None = None,
+        compile: bool = False,
+        compile_options: dict[str, Any] | None = None,
         offload: bool = False,
         grad_compression: str | None = None,
         powersgd_rank: int = 1,

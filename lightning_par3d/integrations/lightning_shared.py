@@ -30,6 +30,7 @@ from lightning_par3d.elastic import check_front_end
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.parallel import groups
 from lightning_par3d.parallel.mesh import Par3DMesh
+from lightning_par3d.parallel.threads import set_threads_per_rank
 from lightning_par3d.planning.at_launch import batch_shape
 
 T = TypeVar("T")
@@ -206,9 +207,13 @@ class LightningFrontEnd:
     def _configure_launcher(self: Any) -> None:
         """Lightning's subprocess launcher, on every rank, as Lightning's ``DDPStrategy`` has it: it starts the
         other local ranks only where the cluster environment does not (never in them, nor under torchrun or
-        SLURM), and in every process it gives torch ``cores // local processes`` threads unless the user set
-        ``OMP_NUM_THREADS``. The layout is validated first, before any process is launched."""
+        SLURM). CPU ranks get par3d's threads (:mod:`lightning_par3d.parallel.threads`) unless the user set
+        ``OMP_NUM_THREADS``, exported before the launcher starts the other ranks, which inherit it (Lightning's
+        launcher then leaves the count alone; GPU ranks keep Lightning's rule). The layout is validated first,
+        before any process is launched."""
         self.resolve_world()
+        if self.root_device.type == "cpu":
+            set_threads_per_rank(self.num_processes)
         assert self.cluster_environment is not None
         self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 

@@ -180,6 +180,9 @@ def estimate_memory(
     layout = resolve_layout(config, world_size)
     assert layout is not None
     check_precision(precision, layout.zero)
+    # The eager build: compiled blocks run the same ops on fake tensors only by compiling under fake mode, and
+    # keep at most what the eager ones keep (inductor's fusions save fewer intermediates), so eager is the bound.
+    config = dataclasses.replace(config, compile=False, compile_options={})
     if optimizer not in OPTIMIZER_STATE_LAYOUTS:
         raise ValueError(f"optimizer={optimizer!r} is not known. Allowed: {', '.join(OPTIMIZER_STATE_LAYOUTS)}.")
     mesh = Par3DMesh(layout)

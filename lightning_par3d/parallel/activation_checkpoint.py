@@ -81,10 +81,13 @@ class _Checkpointed(nn.Module):
     _par3d_ac_op_level: bool = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint, noop_context_fn
+        from torch.utils.checkpoint import checkpoint
 
-        context: Callable[[], Any] = _op_context if self._par3d_ac_op_level else noop_context_fn
-        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+        # Two calls rather than a context_fn chosen at run time: torch.compile traces checkpoint's context_fn only
+        # when it is a plain function of ours (a compiled block, compile=True), not torch's own noop_context_fn.
+        if self._par3d_ac_op_level:
+            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_op_context, **kwargs)
+        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
 
 
 def find_ac_blocks(module: nn.Module, target: str | None) -> list[nn.Module]:

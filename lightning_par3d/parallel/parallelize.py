@@ -29,6 +29,7 @@ from torch import nn
 from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import Compression
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
 from lightning_par3d.parallel.materialize import BuildState, capture_rank0_state, materialize, sync_rng_from_rank0
@@ -62,6 +63,7 @@ class ParallelizeReport:
     initialized_from: str
     pipeline: str = "none"
     activation_checkpointing: str = "none"
+    compiled: str = "none"
 
     def __str__(self) -> str:
         text = f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
@@ -69,6 +71,8 @@ class ParallelizeReport:
             text += f"pipeline: {self.pipeline}; "
         if self.activation_checkpointing != "none":
             text += f"activation checkpointing: {self.activation_checkpointing}; "
+        if self.compiled != "none":
+            text += f"torch.compile: {self.compiled}; "
         return text + f"weights from {self.initialized_from}"
 
 
@@ -99,6 +103,7 @@ def parallelize(
     stage_plan = plan_pipeline(module, spec, config, layout) if spec is not None else None
     blocks = fsdp_blocks(module, config, layout) if spec is None else []
 
+    cache_off = training_without_kv_cache(module) if config.compile else []
     metrics = detach_metrics(module)  # torchmetrics states would not survive meta and to_empty
     metric_shots = _rank0_metric_states(metrics)
     state = capture_rank0_state(module, dist.get_rank())
@@ -124,6 +129,7 @@ def parallelize(
         initialized_from=_source(source, config.pretrained_path),
         pipeline=_describe_pipeline(mesh, config) if spec is not None else "none",
         activation_checkpointing=_describe_ac(config, checkpointed),
+        compiled=_describe_compile(module, config, cache_off),
     )
     runner = build_runner(stage_modules, mesh, device) if stage_modules else None
     forward_module = (
@@ -140,16 +146,19 @@ def parallelize_part(
     fqn_styles: dict[str, str],
     blocks: list[nn.Module],
 ) -> int:
-    """Tensor parallel → activation checkpointing → FSDP2 (per block, then ``part`` as the root), on the meta
-    device; returns how many blocks are checkpointed. The same function serves the whole model and each stage, and
-    the memory estimator (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over torch's fake
-    process group, so that its estimate is of this very build."""
+    """Tensor parallel → activation checkpointing → ``torch.compile`` per block (``compile=True``) → FSDP2 (per
+    block, then ``part`` as the root), on the meta device; returns how many blocks are checkpointed. The same
+    function serves the whole model and each stage, and the memory estimator (:mod:`lightning_par3d.memory.estimate`),
+    which calls it on fake tensors over torch's fake process group (with ``compile=False``: it measures the eager
+    build), so that its estimate is of this very build."""
     ties = tied_groups(part) if fqn_styles else []
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
     checkpointed = apply_activation_checkpointing(
         part, config.activation_checkpointing, config.ac_blocks, config.ac_every
     )
+    if config.compile:
+        compile_blocks(part, config.compile_options)
     shard_data_parallel(part, mesh, blocks, mesh.layout.reshard_after_forward, **_fsdp_policies(config, precision))
     return checkpointed
 
@@ -290,6 +299,17 @@ def _describe_ac(config: Par3DConfig, blocks: int) -> str:
         return "none"
     every = f" (every {config.ac_every})" if config.activation_checkpointing == "selective" else ""
     return f"{config.activation_checkpointing}{every}, {blocks} blocks"
+
+
+def _describe_compile(module: nn.Module, config: Par3DConfig, cache_off: list[str]) -> str:
+    if not config.compile:
+        return "none"
+    blocks = sum(is_compiled(sub) for sub in module.modules())
+    options = ", ".join(f"{k}={v!r}" for k, v in sorted(config.compile_options.items()))
+    text = f"{blocks} blocks in place" + (f" ({options})" if options else "")
+    if cache_off:
+        text += f", KV cache off in training ({', '.join(cache_off)}.config.use_cache=False)"
+    return text
 
 
 def _describe_pipeline(mesh: Par3DMesh, config: Par3DConfig) -> str:
