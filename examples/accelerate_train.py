@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,11 @@ from tqdm.auto import tqdm
 from examples.hf_llama import logits_of
 from lightning_par3d import Par3DConfig
 from lightning_par3d.accelerate import Par3DAccelerator
+from lightning_par3d.console import quiet_known_upstream_warnings
 from lightning_par3d.integrations.hydra import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-# FSDP2 warns about any view its root returns, in case user code then modifies it in place; this loop never does.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.console)
 
 
 def load_config(overrides: list[str]) -> DictConfig:

@@ -14,7 +14,6 @@ Every ``Par3DConfig`` field is a typed argument of ``Par3DStrategy``, so ``--tra
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, so that `examples.*` imports
@@ -24,14 +23,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_par3d  # noqa: F401  (registers "par3d")
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
+from lightning_par3d.console import quiet_known_upstream_warnings
 
-# Known upstream noise, silenced here in the example app (never in the library): see examples/train.py.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.console)
 
 TRAINER_DEFAULTS = {
     "max_steps": 200,
-    "val_check_interval": 50,
+    "val_check_interval": 50,  # training batches, counted across epochs: every layout's epoch may be shorter
+    "check_val_every_n_epoch": None,
     "limit_val_batches": 8,
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 10,

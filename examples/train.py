@@ -15,7 +15,6 @@ Lightning launches the other ranks itself (re-running this command); under torch
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +26,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import lightning_par3d  # noqa: F401  (registers "par3d")
+from lightning_par3d.console import quiet_known_upstream_warnings
 from lightning_par3d.integrations.hydra import register_configs
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
 
 register_configs()
-# Known upstream noise, silenced here in the example app (never in the library), once per rank otherwise:
-# FSDP2 warns about any view its root returns, in case user code then modifies it in place (this example never does);
-# Lightning 2.6 still builds torch's deprecated pytree LeafSpec.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.console)
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:

@@ -16,6 +16,7 @@ from lightning_par3d.pipeline.schedules import (
     SCHEDULE_NAMES,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
+    microbatch_problem,
     stage_indices,
     stage_owner,
     stages_per_rank,
@@ -526,17 +527,9 @@ def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:
             f"pipeline_schedule={name!r} is a V schedule: it needs exactly 2 stages per rank, but virtual_stages={v}."
             " Set virtual_stages=2."
         )
-    stages = pp * v
-    if name in ("1f1b", *V_SCHEDULES) and m < stages:
-        errors.add(
-            f"microbatches={m} is fewer than the {stages} pipeline stages that {name!r} needs at least. "
-            f"Raise microbatches to {stages} or more (more microbatches also shrink the bubble)."
-        )
-    if name in ("interleaved_1f1b", "interleaved_zero_bubble") and m >= pp and m % (m // pp):
-        errors.add(
-            f"microbatches={m}: {name!r} runs microbatches in rounds of pp={pp}, so microbatches must be a multiple "
-            f"of {m // pp}. Use a multiple of pp, e.g. {pp * max(1, m // pp)}."
-        )
+    problem = microbatch_problem(name, m, pp, v)
+    if problem is not None:
+        errors.add(problem)
 
 
 def _resolve_dp_shard(config: Par3DConfig, world_size: int, errors: _Errors) -> int:

@@ -65,6 +65,7 @@ from lightning_par3d.parallel.model_changes import record_of, remember
 from lightning_par3d.parallel.optimizer_paths import use_per_tensor_path_where_mixed
 from lightning_par3d.parallel.parallelize import ParallelizeReport, parallelize
 from lightning_par3d.parallel.precision import PRECISIONS, check_precision
+from lightning_par3d.pipeline.batches import check_epoch, epoch_shape, limited
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
 from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, install_loss
 from lightning_par3d.zero.optimizer import ZeroOptimizer, optimizer_grads, wrap_optimizers
@@ -604,6 +605,24 @@ class Par3DEngine:
         return clip_grads_(grads, float(max_norm), float(norm_type), pp_group)
 
     # ---------------------------------------------------------------- data and logged values
+    def check_epoch(self, loader: Any, what: str, limit: int | float = 1.0) -> str | None:
+        """Under pp, before the first step: raises ``ValueError`` if a batch of ``loader`` (a ``DataLoader`` as the
+        front-end will shard it over the data-parallel ranks; ``limit`` batches of it, a count or a fraction) cannot
+        be split into microbatches, and returns a line for the log if the epoch's partial last batch runs as fewer
+        microbatches (:mod:`lightning_par3d.pipeline.batches`); None otherwise, or when the loader's epoch cannot
+        be told."""
+        runner = self.pipeline
+        if runner is None:
+            return None
+        shape = epoch_shape(loader, self.dp_size)
+        if shape is None:
+            return None
+        shape = limited(shape, limit)
+        note = check_epoch(shape, self.layout, what)
+        if note is not None:
+            runner.announced.add(shape.last_batch)
+        return note
+
     def sampler_kwargs(self) -> dict[str, int]:
         """``num_replicas`` and ``rank`` for a ``DistributedSampler``: the data-parallel ranks only."""
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
@@ -755,6 +774,10 @@ class Par3DEngine:
         the step each rank had started (which names a stalled rank). Records this rank's failure."""
         world = self._layout.world_size if self._layout is not None else 1
         return faults.describe_failure(self.rank, world, error, self.config.timeout_s)
+
+    def failed_first(self) -> bool:
+        """After :meth:`describe_failure`: whether this rank's failure is the job's first (the one to print)."""
+        return faults.failed_first(self.rank)
 
     # ---------------------------------------------------------------- the end
     def teardown(self) -> None:

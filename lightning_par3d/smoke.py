@@ -260,7 +260,10 @@ def smoke(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lightning_par3d.console import quiet_known_upstream_warnings
+
     args = parser().parse_args(argv)
+    quiet_known_upstream_warnings()
     try:
         status, result = smoke(args)
     except ValueError as error:

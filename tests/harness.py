@@ -10,7 +10,8 @@ first job's process group serves all later jobs.
 * **Deadlines.** A job that fails on some ranks only, or misses its deadline, leaves the process group in an unknown
   state: the pool is killed and the next job starts a fresh one.
 * **Recycling.** So is a pool whose workers hold more than :data:`RECYCLE_THREADS` threads after a job.
-* **Nothing carries over.** The environment and torch's thread count are restored before each job.
+* **Nothing carries over.** The environment, torch's thread count and ``sys.stdout``/``sys.stderr`` are restored
+  before each job.
 * **Logs.** Each rank's output goes to ``$TMPDIR/par3d-pool<world size>-*/rank<r>.log`` (a line per job, and the
   thread count after it); a failure reports the tail of the failing rank's log and the log's path.
 
@@ -133,6 +134,7 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
         fn, kwargs = job
         print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
         environment = dict(os.environ)  # jobs may change it (Lightning's teardown drops WORLD_SIZE): give it back
+        sys.stdout = sys.stderr = log  # a failed job may have muted them (par3d quiets a rank that failed second)
         torch.set_num_threads(threads)
         # On GPUs, matmuls in full fp32 on every rank, as in the single-process references: TF32 would round them
         # differently on each side of a parity comparison.

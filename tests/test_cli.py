@@ -57,6 +57,21 @@ tp_does_not_divide_the_heads = background.fixture(
         timeout=300,
     ),
 )
+SMALL = ("model.n_layer=2", "model.n_embd=32", "trainer.limit_val_batches=2", "callbacks=none")
+"""A smaller model and validation for the first-day runs below; everything else is the app's default."""
+FIRST_DAY = {
+    "bare": ("trainer.max_steps=50",),  # 45 batches an epoch at dp=4: validation at batch 50 crosses the epoch
+    "hsdp": ("experiment=hsdp", "trainer.max_steps=50"),
+    "tp_plan": ("strategy.tp=2", "+strategy.tp_plan={lm_head: colwise_rep}", "trainer.max_steps=3"),
+    "auto": ("strategy.layout=auto", "trainer.devices=4", "trainer.max_steps=3"),
+    "pp2_tp2": ("strategy.pp=2", "strategy.tp=2", "trainer.devices=4", "trainer.max_steps=180", "logger=none"),
+}
+"""The commands a new user types first (README), each of which crashed once: the default validation interval was
+longer than a dp=4 epoch, and the pp=2 × tp=2 epoch ends in a batch of 15 samples, which microbatches=4 does not
+divide (180 steps: the whole epoch)."""
+first_day = background.fixture(
+    "first_day", lambda folder, name: (folder, train(folder, *FIRST_DAY[name], *SMALL)), params=list(FIRST_DAY)
+)
 estimate_mode = background.fixture(
     "estimate_mode",
     lambda folder: train(
@@ -77,6 +92,20 @@ def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
     assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
 
 
+@pytest.mark.dist
+def test_the_first_commands_a_user_types_run_to_the_end(first_day):
+    folder, out = first_day
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "Trainer.fit` stopped: `max_steps=" in text, text[-3000:]
+    if "strategy.pp=2" in out.args:
+        assert "the last batch of each epoch of the training dataloader holds 15 samples" in text
+        assert "it runs as 3 microbatches of 5" in text
+    if "trainer.max_steps=50" in out.args:  # validation ran, at batch 50 of the second epoch
+        rows = list(csv.DictReader((folder / "logs" / "version_0" / "metrics.csv").open()))
+        assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
+
+
 def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
     out = too_wide_tp
     assert out.returncode != 0, out.stderr[-3000:]
@@ -88,10 +117,15 @@ def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
 @pytest.mark.dist
 def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging(tp_does_not_divide_the_heads):
     """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
-    both processes raise and exit rather than one waiting for the other in a collective."""
+    both processes raise and exit rather than one waiting for the other in a collective; the job's console holds
+    the cause once, not once per rank."""
     out = tp_does_not_divide_the_heads
     assert out.returncode != 0, out.stderr[-3000:]
     assert "tp=2 does not divide the head count model.transformer.h.0.attn.n_head=3" in out.stderr, out.stderr[-3000:]
+    # Both ranks raise the same error; the console says so once: the rank that failed first, and one traceback.
+    text = out.stdout + out.stderr
+    assert text.count("par3d: rank ") == 1, text[-5000:]
+    assert text.count("Error executing job") <= 1 and text.count("Traceback (most recent call last)") <= 1, text
 
 
 def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode):

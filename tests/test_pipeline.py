@@ -196,10 +196,44 @@ def test_too_few_blocks_for_the_stages(pool2):
 
 @pytest.mark.dist
 def test_batch_not_divisible_by_microbatches(pool2):
+    """A full batch that microbatches does not divide fails at setup, before the first step, naming the loader."""
     with pytest.raises(RankError) as err:
         pool2.run(run_par3d, strategy=dict(pp=2, microbatches=3), devices=2)
     assert err.value.all_ranks_failed
-    assert "The batch of 8 samples (per data-parallel rank) is not divisible by microbatches=3" in err.value.exc_message
+    message = "The batch of 8 samples per data-parallel rank of the training dataloader is not divisible by"
+    assert f"{message} microbatches=3" in err.value.exc_message
+
+
+PARTIAL = dict(max_bytes=1210)
+"""30 training windows: one process reads batches of 8, 8, 8 and 6; two data-parallel ranks 4, 4, 4 and 3 each."""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pool", [2, 4], indirect=True, ids=["pp=2", "pp=2xdp_shard=2"])
+def test_a_partial_last_batch_trains_as_one_process_trains_it(pool):
+    """The epoch's last batch (6 samples at pp=2, 3 per rank at pp=2 × dp_shard=2) is not divisible by
+    microbatches=4: it runs as 3 equal microbatches, and the losses of that step and the next epoch's, and the final
+    parameters, are one process's, which trains that batch whole."""
+    strategy = dict(pp=2) if pool.world_size == 2 else dict(pp=2, dp_shard=2)
+    got = pool.run(run_par3d, strategy=strategy, devices=pool.world_size, max_steps=5, data=PARTIAL)[0]
+    assert_parity(got, run_reference(max_steps=5, data=PARTIAL))
+
+
+def test_microbatches_for_a_partial_batch():
+    from lightning_par3d.pipeline.batches import EpochShape, check_epoch
+    from lightning_par3d.pipeline.schedules import microbatches_for
+
+    assert microbatches_for(16, "1f1b", 4, 2, 1) == 4
+    assert microbatches_for(15, "1f1b", 4, 2, 1) == 3  # 3 of 5
+    assert microbatches_for(13, "1f1b", 4, 2, 1) is None  # 13 is prime and 1 < 2 stages
+    assert microbatches_for(13, "gpipe", 4, 2, 1) == 1
+    assert microbatches_for(6, "1f1b", 4, 4, 1) is None  # 1f1b over 4 stages needs 4 or more
+    layout = resolve_layout(Par3DConfig(pp=2), 2)
+    assert check_epoch(EpochShape(16, 160), layout, "the training dataloader") is None
+    note = check_epoch(EpochShape(16, 2879), layout, "the training dataloader")
+    assert note is not None and "holds 15 samples per data-parallel rank" in note and "3 microbatches of 5" in note
+    with pytest.raises(ValueError, match=re.escape("Drop it (DataLoader(..., drop_last=True))")):
+        check_epoch(EpochShape(16, 2877), layout, "the training dataloader")  # 13 left
 
 
 def predict_job(strategy: dict) -> list | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.gpt import GPTModule
+from examples.gpt import GPT, GPTConfig, GPTModule
 from lightning_par3d import Par3DConfig, estimate_memory, resolve_layout
 from lightning_par3d.planning import Link, Machine, SearchSpace, choose_layout, machine_profile, plan, schedule_bubble
 from lightning_par3d.planning.candidates import candidates
@@ -305,9 +305,10 @@ def test_calibrate_measures_this_machine():
 
 
 def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
+    """From the Hydra app's model config (its arguments overridden), saying which model it built."""
     png = tmp_path / "plan.png"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_par3d.plan", "--module", "examples.gpt:GPTModule",
+        [sys.executable, "-m", "lightning_par3d.plan", "--model-config", "conf/model/gpt.yaml",
          "--model-arg", "n_layer=2", "--model-arg", "n_embd=32", "--model-arg", "block_size=32",
          "--world-size", "4", "--devices-per-node", "4", "--memory", "1GiB", "--batch", "16", "--seq", "32",
          "--profile", "a100-sxm4-8", "--fixed", "tp=2", "--plot", str(png)],
@@ -315,6 +316,11 @@ def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    params = sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_embd=32, block_size=32)).parameters())
+    assert (
+        f"model: examples.gpt.GPTModule: {params / 1e6:,.2f} M parameters; blocks: model.transformer.h: 2 × Block"
+        in out
+    )
     assert "Layouts that fit" in out and "| 1 | pp=" in out and "× tp=2 |" in out and "× tp=1 |" not in out
     assert "Rejected layouts" in out and "best: Par3DStrategy(" in out
     assert png.exists() and png.stat().st_size > 10_000

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
+from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig, GPTModule
 from lightning_par3d.parallel.tensor_parallel import check_divisibility, expand_plan, find_plan
 from lightning_par3d.patterns import matches
 from tests.harness import RankError
@@ -301,3 +301,43 @@ def test_bad_plan_errors_on_every_rank_instead_of_hanging(pool4):
         pool4.run(run_par3d, strategy=dict(tp=4, tp_plan={"h.*.mlp.fc": "colwise"}), devices=4, timeout=120)
     assert err.value.all_ranks_failed
     assert "tp_plan pattern 'h.*.mlp.fc' matches no module of GPTModule" in err.value.exc_message
+
+
+class InPlaceLogitsGPT(GPTModule):
+    """Modifies the model's logits in place: the only way FSDP2's "returned a view tensor" warning could matter."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(idx)
+        logits.mul_(0.5)
+        return logits
+
+
+def view_warning_job(in_place: bool) -> dict:
+    import warnings
+
+    import tests.gpt_runs as runs
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not in_place:
+            runs.run_par3d(strategy=dict(dp_shard=2, tp=2), devices=4, max_steps=1)
+            return {"warnings": [str(w.message) for w in caught], "error": None}
+        runs.GPTModule = InPlaceLogitsGPT
+        try:
+            runs.run_par3d(strategy=dict(dp_shard=2, tp=2), devices=4, max_steps=1)
+        except RuntimeError as error:
+            return {"warnings": [], "error": str(error)}
+        finally:
+            runs.GPTModule = GPTModule
+    return {"warnings": [], "error": None}
+
+
+@pytest.mark.dist
+def test_the_roots_view_under_tp_is_not_a_silent_risk(pool4):
+    """Under tp the root returns the LM head's gathered logits, a view that ``DTensor.to_local`` made in a custom
+    autograd Function. FSDP2 warns about views it returns (an in-place op would drop its pre-backward hook); par3d
+    silences that warning for the root under tp, because autograd itself refuses an in-place op on such a view."""
+    plain = pool4.run(view_warning_job, in_place=False)[0]
+    assert not any("returned a view tensor" in w for w in plain["warnings"]), plain["warnings"]
+    in_place = pool4.run(view_warning_job, in_place=True, timeout=120)
+    assert in_place[0]["error"] is not None and "is a view and is being modified inplace" in in_place[0]["error"]

@@ -69,9 +69,7 @@ def _check(par3d: dict, user: str) -> None:
         assert threads == {int(omp)}, (user, par3d)
 
 
-def test_trainer_ranks_get_par3ds_threads(
-    threads_trainer_par3d_none, threads_trainer_par3d_user
-):
+def test_trainer_ranks_get_par3ds_threads(threads_trainer_par3d_none, threads_trainer_par3d_user):
     _check(threads_trainer_par3d_none, "none")
     _check(threads_trainer_par3d_user, "user")
 

@@ -13,7 +13,8 @@ rank 0 gathers every rank's figures and writes to ``dirpath`` (default: the logg
 
 * ``bottleneck_report.md``: findings ranked by severity, each with a suggestion; tokens/s and MFU; every rank's
   buckets;
-* ``trace_rank{r}.json``: each rank's Chrome trace (open it in Perfetto or ``chrome://tracing``);
+* ``trace_rank0.json``: rank 0's Chrome trace (open it in Perfetto or ``chrome://tracing``; about 10 MB for the
+  demo's 3 steps); ``traces="all"`` keeps every rank's ``trace_rank{r}.json``, ``traces="none"`` none;
 * ``pipeline_timeline.png``: the last sampled step, one row per rank, every block as measured;
 
 and prints a short version. Writing happens after training, so it does not slow the run down.
@@ -54,6 +55,8 @@ from lightning_par3d.callbacks.run_context import output_directory, par3d_engine
 from lightning_par3d.callbacks.timeline import Block, plot_timeline
 from lightning_par3d.torch_private import schedule_stages
 
+TRACES = ("rank0", "all", "none")
+"""Which ranks' Chrome traces :class:`BottleneckReport` keeps."""
 QUIET_KINETO = "6"
 """Kineto's log level above all of its levels: none of its lines (torch 2.13 prints its start and stop lines at
 level 5)."""
@@ -72,6 +75,8 @@ class BottleneckReport(L.Callback):
         advise: predict what each change the report weighs would do to the step
             (:mod:`lightning_par3d.planning.advice`), and suggest only those predicted to help: every rank measures
             the machine (about 2 s) and rank 0 predicts in a fresh interpreter (10–20 s), at the end of fit.
+        traces: which ranks' Chrome traces to keep in ``dirpath``: ``"rank0"`` (default), ``"all"`` or
+            ``"none"``. Every rank records one to measure its step; the others are deleted once read.
     """
 
     def __init__(
@@ -81,7 +86,10 @@ class BottleneckReport(L.Callback):
         dirpath: str | Path | None = None,
         verbose: bool = True,
         advise: bool = True,
+        traces: str = "rank0",
     ):
+        if traces not in TRACES:
+            raise ValueError(f"BottleneckReport(traces={traces!r}): choose one of {', '.join(map(repr, TRACES))}.")
         if skip_first < 2 or steps < 1:
             raise ValueError(
                 f"BottleneckReport needs skip_first >= 2 (the profiler starts two steps before the first sample, whose "
@@ -93,6 +101,9 @@ class BottleneckReport(L.Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.verbose = verbose
         self.advise = advise
+        self.traces = traces
+        self.trace_path: Path | None = None
+        """Rank 0's kept Chrome trace (None when traces="none")."""
         self.summaries: list[RankSummary] = []
         self.findings: list[Any] = []
         self.advice: list[Any] = []
@@ -203,6 +214,10 @@ class BottleneckReport(L.Callback):
         trace = directory / f"trace_rank{rank}.json"
         self._profiler.export_chrome_trace(str(trace))
         events = _events(trace)
+        if self.traces == "all" or (self.traces == "rank0" and rank == 0):
+            self.trace_path = trace
+        else:
+            trace.unlink(missing_ok=True)
         strategy = trainer.strategy
         pp = getattr(getattr(strategy, "layout", None), "pp", 1) > 1
         steps = analyze_steps(events, pp)
@@ -238,7 +253,9 @@ class BottleneckReport(L.Callback):
         self.timeline_path = plot_timeline(rows, directory / "pipeline_timeline.png", title)
         if self.verbose:
             summary = short_summary(self.summaries, self.findings, context, self.advice, self.advice_error)
-            rank_zero_info(summary + f"\n  full report: {self.report_path}")
+            kept = {"rank0": f"rank 0's Chrome trace: {trace} (traces='all' keeps every rank's)",
+                    "all": f"Chrome traces: {directory}/trace_rank*.json", "none": ""}[self.traces]  # fmt: skip
+            rank_zero_info(summary + f"\n  full report: {self.report_path}" + (f"\n  {kept}" if kept else ""))
 
     def _context(self, trainer: L.Trainer, sampled: int) -> ReportContext:
         from lightning_par3d.config import Layout

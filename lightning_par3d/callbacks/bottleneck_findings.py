@@ -157,8 +157,9 @@ ADVICE_BUCKETS = {
 
 def with_advice(findings: list[Finding], advice: list[Any]) -> list[Finding]:
     """Each finding whose bucket the predicted changes address, with its suggestion replaced by what was predicted:
-    the best change predicted to help, or that none is (with what the nearest would cost). Findings no change
-    addresses (Lightning's loop, par3d's measuring) keep their text."""
+    the best change predicted to help, or that every change weighed is predicted slower or within the run's noise
+    (with each one's prediction). Findings no change addresses (Lightning's loop, par3d's measuring) keep their
+    text."""
     out = []
     for finding in findings:
         mine = [a for a in advice if a.change.bucket in ADVICE_BUCKETS.get(finding.bucket, ())]
@@ -168,7 +169,9 @@ def with_advice(findings: list[Finding], advice: list[Any]) -> list[Finding]:
             text = f"{share}: try {helping[0].line()}."
         elif any(a.predicted_s is not None for a in mine):
             costs = "; ".join(a.line() for a in mine if a.predicted_s is not None)
-            text = f"{share}: no change is predicted to help ({costs})."
+            within_noise = any(a.gain is not None and a.gain > 0 for a in mine)
+            verdict = "within this run's noise" if within_noise else "slower"
+            text = f"{share}: every change weighed is predicted {verdict} ({costs})."
         else:
             out.append(finding)
             continue

@@ -119,7 +119,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpoints, ParallelS
         self.resolve_world()  # raises before the process group exists if the sizes do not fit
         super().setup_environment()
         self.start_distributed()
-        shared.end_job_on_uncaught_exception(self._launcher, self.engine.describe_failure)
+        shared.end_job_on_uncaught_exception(self._launcher, self.engine)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

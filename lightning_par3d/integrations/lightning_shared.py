@@ -8,8 +8,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,17 +85,32 @@ def point_at_device(module: torch.nn.Module, device: torch.device) -> None:
             sub._device = device
 
 
-def end_job(launcher: Any, message: str) -> None:
+def end_job(launcher: Any, message: str, quiet: bool = False) -> None:
     """After a rank failed: says so, and kills the other local ranks that this process launched (Lightning's
     subprocess launcher), which might otherwise wait in a collective forever. Under torchrun or SLURM the failed
-    process exits non-zero and their agent ends the others."""
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    process exits non-zero and their agent ends the others.
+
+    ``quiet`` (another rank failed first, and said why): prints nothing, and sends what this process would still
+    print (Lightning's and Hydra's tracebacks of a consequence of that failure) nowhere, so that a job's console
+    holds its cause once."""
+    if quiet:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the rest of this failing process)
+    else:
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
     for proc in getattr(launcher, "procs", None) or []:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
     skip_the_shutdown_collection()
+
+
+def end_failed_job(launcher: Any, engine: Par3DEngine, error: BaseException) -> None:
+    """:func:`end_job` for ``error`` on this rank: the engine's description, printed if this rank failed first."""
+    message = engine.describe_failure(error)
+    end_job(launcher, message, quiet=not engine.failed_first())
 
 
 def skip_the_shutdown_collection() -> None:
@@ -116,13 +132,13 @@ def is_failure(exception: BaseException) -> bool:
     return not (isinstance(exception, SystemExit) and exception.code in (0, None))
 
 
-def end_job_on_uncaught_exception(launcher: Any, describe: Callable[[BaseException], str]) -> None:
+def end_job_on_uncaught_exception(launcher: Any, engine: Par3DEngine) -> None:
     """For front-ends without an exception hook (Fabric): an exception that ends the script ends the job too."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         if is_failure(error) and not isinstance(error, KeyboardInterrupt):
-            end_job(launcher, describe(error))
+            end_failed_job(launcher, engine, error)
         previous(kind, error, trace)
 
     sys.excepthook = hook

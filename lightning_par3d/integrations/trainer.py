@@ -24,6 +24,7 @@ from lightning_par3d.integrations.lightning_collectives import LayoutCollectives
 from lightning_par3d.integrations.lightning_logging import LogRelay
 from lightning_par3d.integrations.lightning_pipeline import HeldGradients, PipelinedSteps
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
+from lightning_par3d.integrations.lightning_summary import use_par3d_summary
 from lightning_par3d.integrations.registration import register_trainer_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.pipeline.trunk import install_loss
@@ -187,11 +188,28 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
             rank_zero_info(f"par3d {self.engine.relayout_note}")
         rank_zero_info(self.engine.describe())
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
+        self._check_epochs(trainer)
+        use_par3d_summary(trainer)  # the whole model's counts at any layout, no FLOPs of 0
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _check_epochs(self, trainer: pl.Trainer) -> None:
+        """Under pp: the batches of this run's dataloaders, checked against the microbatches before the first step
+        (:meth:`Par3DEngine.check_epoch <lightning_par3d.engine.Par3DEngine.check_epoch>`): a batch that cannot be
+        split fails here, and a partial last batch that runs as fewer microbatches is said once."""
+        if self.engine.pipeline is None:
+            return
+        for source, what, limit in _data_sources(trainer):
+            if not source.is_defined() or limit == 0:
+                continue
+            loaders = source.dataloader()
+            for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+                note = self.engine.check_epoch(loader, what, limit)
+                if note is not None:
+                    rank_zero_info(f"par3d: {note}")
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -219,7 +237,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         """A rank that raises ends the whole job promptly: it says which rank failed first and why (and, for a
         collective that timed out, which rank fell behind), and kills the local ranks it launched."""
         if shared.is_failure(exception) and not isinstance(exception, KeyboardInterrupt):
-            shared.end_job(self._launcher, self.engine.describe_failure(exception))
+            shared.end_failed_job(self._launcher, self.engine, exception)
 
     @override
     def teardown(self) -> None:
@@ -230,6 +248,26 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, int | float]]:
+    """The (data source, its name, Lightning's batch limit) of each dataloader the trainer's current run reads."""
+    fn = trainer.state.fn
+    if fn == TrainerFn.FITTING:
+        return [
+            (trainer.fit_loop._data_source, "the training dataloader", trainer.limit_train_batches or 0),
+            (trainer.fit_loop.epoch_loop.val_loop._data_source, "the validation dataloader",
+             trainer.limit_val_batches or 0),
+        ]  # fmt: skip
+    loops: dict[TrainerFn, tuple[Any, str, Any]] = {
+        TrainerFn.VALIDATING: (trainer.validate_loop, "the validation dataloader", trainer.limit_val_batches),
+        TrainerFn.TESTING: (trainer.test_loop, "the test dataloader", trainer.limit_test_batches),
+        TrainerFn.PREDICTING: (trainer.predict_loop, "the predict dataloader", trainer.limit_predict_batches),
+    }
+    if fn not in loops:
+        return []
+    loop, what, limit = loops[fn]
+    return [(loop._data_source, what, limit or 0)]
 
 
 register_trainer_strategy(Par3DStrategy)  # "par3d" in Lightning's registry, whoever imported this module

@@ -52,7 +52,7 @@ def training_without_kv_cache(module: nn.Module) -> list[str]:
     itself."""
     changed = []
     for name, sub in module.named_modules():
-        config = getattr(sub, "config", None)
+        config: Any = getattr(sub, "config", None)
         if is_transformers_model(sub) and getattr(config, "use_cache", False):
             config.use_cache = False
             changed.append(name or type(sub).__name__)

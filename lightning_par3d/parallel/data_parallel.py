@@ -23,6 +23,7 @@ compute and its gathered parameters are freed after use. The root is the Lightni
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -103,6 +104,24 @@ def shard_data_parallel(
     for name in STEP_METHODS:
         if callable(getattr(module, name, None)):
             register_fsdp_forward_method(module, name)
+    if mesh.layout.tp > 1:
+        quiet_view_warning(type(module).__name__)  # FSDP2's class by now: FSDP<Class>
+
+
+def quiet_view_warning(root_class: str) -> None:
+    """Silences FSDP2's "returned a view tensor" warning for the root of class ``root_class`` (FSDP2's
+    ``FSDP<Class>``; once per rank otherwise) under tensor parallelism, where it cannot mean a wrong gradient.
+
+    FSDP2 warns when an FSDP module returns a view, because an in-place op on a view drops its pre-backward hook.
+    Under tp the root returns one: a tensor-parallel module's output (the LM head's gathered logits) is
+    ``DTensor.to_local()``, a view made inside a custom autograd ``Function``. An in-place op on such a view is
+    refused by autograd itself ("Output 0 of _ToTorchTensor is a view and is being modified inplace … This behavior
+    is forbidden"; ``tests/test_tensor_parallel.py`` shows it), so the hook can never be dropped silently; and the
+    root keeps its parameters gathered from forward to backward in any case. A block's or a user's own view still
+    warns."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \({re.escape(root_class)}\) returned a view")
 
 
 def replicate_with_ddp(

@@ -5,6 +5,10 @@ a rank raises (a collective that timed out included), :func:`describe_failure` r
 rank to record one wins), and writes for a person which rank failed first and why, and, for a timeout, how far
 each rank had come, which names the rank that stalled. The store calls on this path use a short timeout: the
 store's host (rank 0) may be the rank that died.
+
+A job prints its cause once: :func:`failed_first` tells the front-ends whether this rank's failure is the one the
+store recorded first, and only that rank prints; the others end quietly (their failures are consequences, or the
+same error again), unless the store cannot say (rank 0, its host, died), when each prints.
 """
 
 from __future__ import annotations
@@ -79,6 +83,21 @@ def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s
                 lines.append(f"  Every rank started step {behind}.")
     lines.append("  Ending the whole job (every local rank), so that no process is left waiting.")
     return "\n".join(lines)
+
+
+def failed_first(rank: int) -> bool:
+    """Whether ``rank``'s failure is the first one recorded in the job (True too when no store can tell: then every
+    failing rank speaks for itself)."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        if not store.check([FIRST_FAILURE]):
+            return True
+        return bool(store.get(FIRST_FAILURE).decode().startswith(f"{rank}|"))
+    except Exception:
+        return True
 
 
 def _steps(store: Any, world_size: int) -> dict[int, int]:

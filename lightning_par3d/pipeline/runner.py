@@ -10,15 +10,16 @@ stages, so a model that is dropped is freed with its runner.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lightning_par3d.pipeline.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES
+from lightning_par3d.pipeline.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, microbatches_for
 
 if TYPE_CHECKING:
     from lightning_par3d.config import Layout
@@ -39,7 +40,9 @@ class PendingPipelineOutput:
 class PipelineRunner:
     """This rank's part of the pipeline: its stage modules, torch's schedule over them, and where the last stage is.
 
-    Built by :func:`build_runner`; owned by the engine that parallelized the model.
+    Built by :func:`build_runner`; owned by the engine that parallelized the model. A batch that ``microbatches``
+    does not divide (an epoch's partial last batch) runs as fewer equal microbatches, through a schedule of its own
+    (:meth:`schedule_for`), so that its mean loss is one process's.
     """
 
     schedule: Any
@@ -49,8 +52,45 @@ class PipelineRunner:
     """Global rank of the pipeline peer holding the last stage (where the loss and the outputs are)."""
     holds_last_stage: bool
     stage_modules: list[nn.Module] = field(default_factory=list)
+    layout: Layout | None = None
+    make_schedule: Callable[[int], Any] | None = None
+    """Builds this rank's stages and schedule for another number of microbatches (set by :func:`build_runner`)."""
+    announced: set[int] = field(default_factory=set)
+    """Batch sizes whose microbatch count was told to the user already (at setup, or at their first run)."""
+    _schedules: dict[int, Any] = field(default_factory=dict)
     _loss_fn: LossFn | None = None
     _grad_scale: float = 1.0
+
+    def microbatches_for(self, batch: int | None) -> int:
+        """How many equal microbatches a batch of ``batch`` samples per data-parallel rank runs as
+        (:func:`~lightning_par3d.pipeline.schedules.microbatches_for`); raises ``ValueError`` naming the fix if
+        none can. ``None`` (a batch without a leading dimension) runs as configured."""
+        if batch is None or batch % self.n_microbatches == 0 or self.layout is None:
+            return self.n_microbatches
+        layout = self.layout
+        count = microbatches_for(batch, layout.schedule, self.n_microbatches, layout.pp, layout.virtual_stages)
+        if count is None:
+            raise ValueError(partial_batch_message(batch, layout))
+        if batch not in self.announced:
+            self.announced.add(batch)
+            if _rank() == 0:
+                warnings.warn(
+                    f"par3d: a batch of {batch} samples per data-parallel rank runs as {count} microbatches of "
+                    f"{batch // count}: microbatches={self.n_microbatches} does not divide it (an epoch's partial "
+                    "last batch, typically; drop it with DataLoader(..., drop_last=True)).",
+                    stacklevel=2,
+                )
+        return count
+
+    def schedule_for(self, count: int) -> Any:
+        """The schedule that runs ``count`` microbatches: the configured one, or one built on first use (new torch
+        ``PipelineStage`` objects over the same stage modules: their buffers have the microbatch's shape)."""
+        if count == self.n_microbatches:
+            return self.schedule
+        if count not in self._schedules:
+            assert self.make_schedule is not None, "a runner without make_schedule runs its own microbatches only"
+            self._schedules[count] = self.make_schedule(count)
+        return self._schedules[count]
 
     def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The loss of one microbatch, scaled so that the summed gradients are those of the batch mean (and of
@@ -78,13 +118,14 @@ class PipelineRunner:
         their gradient reduction is held during the schedule's many backward passes and done once after them.
         """
         self._check_call(pending)
-        self._check_batch(targets)
-        self._grad_scale = 1.0 / (self.n_microbatches * (accumulate if train else 1))
+        count = self.microbatches_for(_batch_size(targets))
+        self._grad_scale = 1.0 / (count * (accumulate if train else 1))
         if train and zero_grad_first:
             for stage in self.stage_modules:
                 stage.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        step = self.schedule.step if train else self.schedule.eval
+        schedule = self.schedule_for(count)
+        step = schedule.step if train else schedule.eval
         syncing = [z for z in zero if z.require_backward_grad_sync] if train else []
         self._loss_fn = loss_fn
         try:
@@ -97,7 +138,7 @@ class PipelineRunner:
         for optimizer in syncing:
             optimizer.reduce_gradients()
         if self.holds_last_stage:
-            loss = torch.stack([x.detach().float() for x in losses]).sum() / self._grad_scale / self.n_microbatches
+            loss = torch.stack([x.detach().float() for x in losses]).sum() / self._grad_scale / count
         else:
             loss = torch.zeros((), device=device, dtype=torch.float32)  # fp32 on every rank, as on the last
         return self.broadcast_from_last_stage(loss)
@@ -122,10 +163,10 @@ class PipelineRunner:
         first = pending.args[0] if pending.args else next(iter(pending.kwargs.values()))
         dummy_targets = torch.zeros(first.shape[0], device=device)
         self._check_call(pending)
-        self._check_batch(dummy_targets)
+        schedule = self.schedule_for(self.microbatches_for(first.shape[0]))
         self._loss_fn, self._grad_scale = _zero_loss, 1.0
         try:
-            outputs = self.schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)
+            outputs = schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)
         finally:
             self._loss_fn = None
         return outputs if self.holds_last_stage else None
@@ -133,15 +174,6 @@ class PipelineRunner:
     def _check_call(self, pending: PendingPipelineOutput) -> None:
         if self.stage_modules:
             check_pipeline_call(self.stage_modules[0], pending)
-
-    def _check_batch(self, targets: Any) -> None:
-        batch = targets.shape[0] if isinstance(targets, torch.Tensor) and targets.dim() else None
-        if batch is not None and batch % self.n_microbatches:
-            raise ValueError(
-                f"The batch of {batch} samples (per data-parallel rank) is not divisible by microbatches="
-                f"{self.n_microbatches}. Choose a batch size that is a multiple of microbatches, or change "
-                "microbatches."
-            )
 
 
 def check_pipeline_call(stage: nn.Module, pending: PendingPipelineOutput) -> None:
@@ -180,6 +212,27 @@ def _binds(signature: inspect.Signature, name: str, value: Any) -> bool:
     return True
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _batch_size(targets: Any) -> int | None:
+    return targets.shape[0] if isinstance(targets, torch.Tensor) and targets.dim() else None
+
+
+def partial_batch_message(batch: int, layout: Layout) -> str:
+    """Why a batch of ``batch`` samples per data-parallel rank cannot run under ``layout``'s pipeline, and the fix."""
+    return (
+        f"A batch of {batch} samples (per data-parallel rank) cannot be split into microbatches that the "
+        f"{layout.schedule!r} schedule can run over pp={layout.pp}: microbatches={layout.microbatches} does not divide "
+        f"it, and no smaller count that divides it suits the schedule. If it is an epoch's partial last batch, drop "
+        "it (DataLoader(..., drop_last=True)) or give the dataset a length whose share per data-parallel rank the "
+        "batch size divides; otherwise choose a batch size that is a multiple of microbatches."
+    )
+
+
 def _model_class_name(module: nn.Module) -> str:
     """The model's own class (not the wrappers torch's FSDP or par3d mix into it)."""
     own = (c for c in type(module).__mro__ if not c.__module__.startswith(("torch.", "lightning_par3d.")))
@@ -208,10 +261,6 @@ def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.
     rank = dist.get_rank()
     pp_group = mesh["pp"].get_group()
     indices = layout.stage_indices(mesh.coords(rank).pp)
-    stages = [
-        PipelineStage(module, index, layout.n_stages, device, group=pp_group, **_static_io(index))
-        for module, index in zip(stage_modules, indices, strict=True)
-    ]
     runner = PipelineRunner(
         schedule=None,
         n_microbatches=layout.microbatches,
@@ -219,8 +268,18 @@ def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.
         last_stage_rank=mesh.group_ranks("pp", rank)[layout.last_stage_owner],
         holds_last_stage=(layout.n_stages - 1) in indices,
         stage_modules=stage_modules,
+        layout=layout,
     )
-    runner.schedule = torch_schedule(layout, stages, runner._scaled_loss, scale_grads=False)
+
+    def make_schedule(count: int) -> Any:
+        stages = [
+            PipelineStage(module, index, layout.n_stages, device, group=pp_group, **_static_io(index))
+            for module, index in zip(stage_modules, indices, strict=True)
+        ]
+        return torch_schedule(replace(layout, microbatches=count), stages, runner._scaled_loss, scale_grads=False)
+
+    runner.schedule = make_schedule(layout.microbatches)
+    runner.make_schedule = make_schedule
     return runner
 
 

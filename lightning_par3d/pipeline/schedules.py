@@ -44,3 +44,34 @@ def stage_owner(schedule: str, stage: int, pp: int) -> int:
     if schedule in V_SCHEDULES:
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
+
+
+def microbatch_problem(schedule: str, microbatches: int, pp: int, virtual_stages: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` microbatches over ``pp`` pipeline ranks holding
+    ``virtual_stages`` stages each (a sentence that names the fix), or None if it can."""
+    stages = pp * stages_per_rank(schedule, virtual_stages)
+    if schedule in ("1f1b", *V_SCHEDULES) and microbatches < stages:
+        return (
+            f"microbatches={microbatches} is fewer than the {stages} pipeline stages that {schedule!r} needs at "
+            f"least. Raise microbatches to {stages} or more (more microbatches also shrink the bubble)."
+        )
+    interleaved = ("interleaved_1f1b", "interleaved_zero_bubble")
+    if schedule in interleaved and microbatches >= pp and microbatches % (microbatches // pp):
+        return (
+            f"microbatches={microbatches}: {schedule!r} runs microbatches in rounds of pp={pp}, so microbatches must "
+            f"be a multiple of {microbatches // pp}. Use a multiple of pp, e.g. {pp * max(1, microbatches // pp)}."
+        )
+    return None
+
+
+def microbatches_for(batch: int, schedule: str, microbatches: int, pp: int, virtual_stages: int) -> int | None:
+    """How many equal microbatches a batch of ``batch`` samples runs as: ``microbatches`` when it divides the batch,
+    else the largest divisor of ``batch`` below it that the schedule can run (a partial last batch: 15 samples with
+    ``microbatches=4`` run as 3 microbatches of 5), else None. Equal microbatches keep the batch's mean loss the
+    mean of the microbatches' means, as one process computes it."""
+    if batch % microbatches == 0:
+        return microbatches
+    for count in range(min(microbatches, batch), 0, -1):
+        if batch % count == 0 and microbatch_problem(schedule, count, pp, virtual_stages) is None:
+            return count
+    return None

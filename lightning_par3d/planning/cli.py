@@ -1,7 +1,9 @@
 """The command line: ``python -m lightning_par3d.plan --module examples.gpt:GPTModule --world-size 8 ...``.
 
-It imports the LightningModule class (``package.module:Class``, from the working directory too), builds it with
-``--model-arg key=value`` arguments, plans, and prints the ranked table: the layouts that fit, fastest first, then
+It builds the LightningModule from a class (``--module package.module:Class``, from the working directory too, with
+``--model-arg key=value`` arguments) or from a Hydra model config (``--model-config conf/model/gpt.yaml``: its
+``_target_`` and arguments, as the Hydra app builds it; ``--model-arg`` overrides them), says which model it built
+(its class, parameters and blocks), plans, and prints the ranked table: the layouts that fit, fastest first, then
 the rejected ones grouped by reason; then the best layout as strategy arguments. ``--plot`` also draws the
 predicted steps. The machine is a named profile (``--profile``, default ``h100-sxm-8``) or this machine, measured
 (``--calibrate``).
@@ -56,13 +58,45 @@ def load_module(spec: str, arguments: dict[str, Any]) -> Any:
     return built(**arguments)
 
 
+def load_model_config(path: str, arguments: dict[str, Any]) -> Any:
+    """The model a Hydra model config (``_target_`` and arguments, e.g. ``conf/model/gpt.yaml``) describes, with
+    ``arguments`` overriding its values, built as the Hydra app builds it."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model-config {path!r}: no such file (a Hydra model config, e.g. conf/model/gpt.yaml).")
+    config = OmegaConf.merge(OmegaConf.load(path), OmegaConf.create(arguments))
+    if "_target_" not in config:
+        raise SystemExit(f"--model-config {path!r} has no _target_: it must name the model class, as Hydra's do.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return instantiate(config)
+
+
+def describe_model(module: Any) -> str:
+    """``examples.gpt.GPTModule: 0.85 M parameters, 4 blocks (transformer.h: Block)``: the model as built (on the
+    meta device, no memory), for a person to check that the planner plans the model they mean."""
+    from lightning_par3d.patterns import repeated_members
+    from lightning_par3d.planning.probe import build_meta
+
+    built = build_meta(module)
+    params = sum(p.numel() for p in built.parameters())
+    containers = [(name, members) for name, sub in built.named_modules() if (members := repeated_members(sub))]
+    blocks = ", ".join(f"{name}: {len(members)} × {type(members[0]).__name__}" for name, members in containers)
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}: {params / 1e6:,.2f} M parameters; blocks: {blocks or 'none found'}"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lightning_par3d.plan",
         description="Rank every par3d layout of a model on a world of devices: memory per rank (the estimator's) "
         "and predicted step time (compute, tensor-parallel comm, data-parallel comm, pipeline bubble).",
     )
-    p.add_argument("--module", required=True, help="the LightningModule class, package.module:Class")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--module", help="the LightningModule class, package.module:Class")
+    model.add_argument("--model-config", help="a Hydra model config, e.g. conf/model/gpt.yaml (the app's model)")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="a constructor argument")
     p.add_argument("--world-size", type=int, required=True, help="ranks in all")
     p.add_argument("--devices-per-node", type=int, default=None, help="ranks per node (default: the profile's)")
@@ -95,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_par3d.planning.plot import plot
 
     args = parser().parse_args(argv)
-    module = load_module(args.module, _pairs(args.model_arg, "--model-arg"))
+    arguments = _pairs(args.model_arg, "--model-arg")
+    if args.model_config:
+        module = load_model_config(args.model_config, arguments)
+    else:
+        module = load_module(args.module, arguments)
+    print(f"model: {describe_model(module)}", flush=True)
     space: dict[str, Any] = {}
     if args.ac:
         space["activation_checkpointing"] = _csv(args.ac)
@@ -131,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table.to_markdown(top=args.top, group_rejected=not args.all_rejected))
     best = table.best
-    arguments = ", ".join(f"{k}={v!r}" for k, v in best.strategy_arguments().items())
-    print(f"\nbest: Par3DStrategy({arguments})  # {best.describe()}")
+    settings = ", ".join(f"{k}={v!r}" for k, v in best.strategy_arguments().items())
+    print(f"\nbest: Par3DStrategy({settings})  # {best.describe()}")
     if args.plot:
         print(f"plot: {plot(table, args.plot, top=args.top)}")
     return 0
