@@ -605,19 +605,19 @@ class Par3DEngine:
         return clip_grads_(grads, float(max_norm), float(norm_type), pp_group)
 
     # ---------------------------------------------------------------- data and logged values
-    def check_epoch(self, loader: Any, what: str, limit: int | float = 1.0) -> str | None:
+    def check_epoch(self, loader: Any, what: str, limits: Sequence[int | float] = ()) -> str | None:
         """Under pp, before the first step: raises ``ValueError`` if a batch of ``loader`` (a ``DataLoader`` as the
-        front-end will shard it over the data-parallel ranks; ``limit`` batches of it, a count or a fraction) cannot
-        be split into microbatches, and returns a line for the log if the epoch's partial last batch runs as fewer
-        microbatches (:mod:`lightning_par3d.pipeline.batches`); None otherwise, or when the loader's epoch cannot
-        be told."""
+        front-end will shard it over the data-parallel ranks; of which the run reads at most ``limits`` batches,
+        each a count or a fraction of the epoch) cannot be split into microbatches, and returns a line for the log
+        if the epoch's partial last batch runs as fewer microbatches (:mod:`lightning_par3d.pipeline.batches`);
+        None otherwise, or when the loader's epoch cannot be told."""
         runner = self.pipeline
         if runner is None:
             return None
         shape = epoch_shape(loader, self.dp_size)
         if shape is None:
             return None
-        shape = limited(shape, limit)
+        shape = limited(shape, *limits)
         note = check_epoch(shape, self.layout, what)
         if note is not None:
             runner.announced.add(shape.last_batch)

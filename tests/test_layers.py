@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "patterns",
         "torch_private",
         "fresh_interpreter",
+        "console",
         "parallel.styles",
         "parallel.local_styles",
         "pipeline.schedules",

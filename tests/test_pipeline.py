@@ -225,15 +225,16 @@ def test_microbatches_for_a_partial_batch():
 
     assert microbatches_for(16, "1f1b", 4, 2, 1) == 4
     assert microbatches_for(15, "1f1b", 4, 2, 1) == 3  # 3 of 5
-    assert microbatches_for(13, "1f1b", 4, 2, 1) is None  # 13 is prime and 1 < 2 stages
+    assert microbatches_for(13, "1f1b", 4, 2, 1) == 13  # prime: 1 microbatch is fewer than 1f1b's 2 stages
     assert microbatches_for(13, "gpipe", 4, 2, 1) == 1
-    assert microbatches_for(6, "1f1b", 4, 4, 1) is None  # 1f1b over 4 stages needs 4 or more
+    assert microbatches_for(6, "1f1b", 4, 4, 1) == 6  # 1f1b over 4 stages needs 4 or more: 6 of 1
+    assert microbatches_for(3, "1f1b", 4, 4, 1) is None  # 3 samples cannot fill 4 stages
     layout = resolve_layout(Par3DConfig(pp=2), 2)
     assert check_epoch(EpochShape(16, 160), layout, "the training dataloader") is None
     note = check_epoch(EpochShape(16, 2879), layout, "the training dataloader")
     assert note is not None and "holds 15 samples per data-parallel rank" in note and "3 microbatches of 5" in note
     with pytest.raises(ValueError, match=re.escape("Drop it (DataLoader(..., drop_last=True))")):
-        check_epoch(EpochShape(16, 2877), layout, "the training dataloader")  # 13 left
+        check_epoch(EpochShape(16, 2881), layout, "the training dataloader")  # 1 left, for 2 stages
 
 
 def predict_job(strategy: dict) -> list | None:

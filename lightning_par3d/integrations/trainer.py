@@ -202,12 +202,12 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         split fails here, and a partial last batch that runs as fewer microbatches is said once."""
         if self.engine.pipeline is None:
             return
-        for source, what, limit in _data_sources(trainer):
-            if not source.is_defined() or limit == 0:
+        for source, what, limits in _data_sources(trainer):
+            if not source.is_defined() or 0 in limits:
                 continue
             loaders = source.dataloader()
             for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
-                note = self.engine.check_epoch(loader, what, limit)
+                note = self.engine.check_epoch(loader, what, limits)
                 if note is not None:
                     rank_zero_info(f"par3d: {note}")
 
@@ -250,14 +250,18 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         self.accelerator.teardown()
 
 
-def _data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, int | float]]:
-    """The (data source, its name, Lightning's batch limit) of each dataloader the trainer's current run reads."""
+def _data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, tuple[int | float, ...]]]:
+    """The (data source, its name, the limits on the batches the run reads of it) of each dataloader the trainer's
+    current run reads: Lightning's ``limit_*_batches``, and for training ``max_steps`` in batches."""
     fn = trainer.state.fn
     if fn == TrainerFn.FITTING:
+        train_limits: tuple[int | float, ...] = (trainer.limit_train_batches or 0,)
+        if trainer.max_steps > 0:
+            train_limits += (trainer.max_steps * trainer.accumulate_grad_batches,)
         return [
-            (trainer.fit_loop._data_source, "the training dataloader", trainer.limit_train_batches or 0),
+            (trainer.fit_loop._data_source, "the training dataloader", train_limits),
             (trainer.fit_loop.epoch_loop.val_loop._data_source, "the validation dataloader",
-             trainer.limit_val_batches or 0),
+             (trainer.limit_val_batches or 0,)),
         ]  # fmt: skip
     loops: dict[TrainerFn, tuple[Any, str, Any]] = {
         TrainerFn.VALIDATING: (trainer.validate_loop, "the validation dataloader", trainer.limit_val_batches),
@@ -267,7 +271,7 @@ def _data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, int | float]]:
     if fn not in loops:
         return []
     loop, what, limit = loops[fn]
-    return [(loop._data_source, what, limit or 0)]
+    return [(loop._data_source, what, (limit or 0,))]
 
 
 register_trainer_strategy(Par3DStrategy)  # "par3d" in Lightning's registry, whoever imported this module

@@ -2,10 +2,11 @@
 
 Under pp every batch is split into equal microbatches. A batch that ``microbatches`` divides runs as configured; an
 epoch's partial last batch that it does not divide (2,879 samples in batches of 16: the last holds 15) runs as the
-largest smaller count of equal microbatches that divides it and suits the schedule (15 samples: 3 microbatches of
-5), whose mean loss is one process's on that batch; where no count can (too few samples for the schedule's stages),
-the run fails before training with the fix: drop that batch (``DataLoader(..., drop_last=True)``) or change the
-dataset's length. A full batch that ``microbatches`` does not divide is refused before training too.
+nearest count of equal microbatches that divides it and suits the schedule, below ``microbatches`` first (15
+samples: 3 microbatches of 5), else above (13 samples: 13 of 1), whose mean loss is one process's on that batch;
+where no count can (fewer samples than the schedule has stages), the run fails before training with the fix: drop
+that batch (``DataLoader(..., drop_last=True)``) or change the dataset's length. A full batch that ``microbatches``
+does not divide is refused before training too.
 
 :func:`epoch_shape` reads a ``DataLoader`` as the front-ends will shard it (a ``DistributedSampler`` over the
 data-parallel ranks, padded so that every rank reads the same number of samples); :func:`check_epoch` decides.
@@ -37,11 +38,12 @@ class EpochShape:
         return self.samples % self.batch_size
 
 
-def limited(shape: EpochShape, limit: int | float) -> EpochShape:
-    """The part of an epoch that a batch limit (Lightning's ``limit_val_batches``: a count, or a fraction of the
-    batches) lets run: a limit that stops before the partial last batch leaves full batches only."""
+def limited(shape: EpochShape, *limits: int | float) -> EpochShape:
+    """The part of an epoch that batch limits let run (each a count of batches, or a fraction of the epoch's, as
+    Lightning's ``limit_*_batches``; a run's ``max_steps`` in batches): a limit that stops before the partial last
+    batch leaves full batches only."""
     batches = math.ceil(shape.samples / shape.batch_size)
-    kept = int(limit) if isinstance(limit, int) else int(batches * float(limit))
+    kept = min((int(x) if isinstance(x, int) else int(batches * float(x)) for x in limits), default=batches)
     if kept >= batches:
         return shape
     return EpochShape(shape.batch_size, kept * shape.batch_size)

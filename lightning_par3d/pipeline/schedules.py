@@ -66,12 +66,15 @@ def microbatch_problem(schedule: str, microbatches: int, pp: int, virtual_stages
 
 def microbatches_for(batch: int, schedule: str, microbatches: int, pp: int, virtual_stages: int) -> int | None:
     """How many equal microbatches a batch of ``batch`` samples runs as: ``microbatches`` when it divides the batch,
-    else the largest divisor of ``batch`` below it that the schedule can run (a partial last batch: 15 samples with
-    ``microbatches=4`` run as 3 microbatches of 5), else None. Equal microbatches keep the batch's mean loss the
-    mean of the microbatches' means, as one process computes it."""
+    else the divisor of ``batch`` nearest below it that the schedule can run (a partial last batch: 15 samples with
+    ``microbatches=4`` run as 3 microbatches of 5), else the nearest above it (13 samples: 13 microbatches of 1),
+    else None (fewer samples than the schedule has stages). Equal microbatches keep the batch's mean loss the mean of
+    the microbatches' means, as one process computes it."""
     if batch % microbatches == 0:
         return microbatches
-    for count in range(min(microbatches, batch), 0, -1):
+    below = range(min(microbatches, batch), 0, -1)
+    above = range(microbatches + 1, batch + 1)
+    for count in (*below, *above):
         if batch % count == 0 and microbatch_problem(schedule, count, pp, virtual_stages) is None:
             return count
     return None
