@@ -31,10 +31,11 @@ accelerate: setup  ## The Accelerate example: the GPT at dp_shard=2 x tp=2 on 4 
 test: setup  ## Run the whole test suite (unit + multi-process gloo tests).
 	$(PY) -m pytest
 
-lint: setup  ## ruff, ruff format --check and mypy.
+lint: setup  ## ruff, ruff format --check, mypy and the layers (import-linter).
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the pipeline bubble; ZeRO; callbacks' cost.
 	$(PY) benchmarks/bench_strategies.py

@@ -26,12 +26,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import lightning_par3d  # noqa: F401  (registers "par3d")
-from lightning_par3d.console import quiet_known_upstream_warnings
 from lightning_par3d.integrations.hydra import register_configs
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
+from lightning_par3d.utils.console import quiet_known_upstream_warnings
 
 register_configs()
-quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.console)
+quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.utils.console)
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
@@ -82,7 +82,7 @@ def plan_layouts(cfg: DictConfig) -> Any:
     from lightning_par3d.config import changed_settings
     from lightning_par3d.planning import calibrate, plan
     from lightning_par3d.planning.candidates import FIXED_KEYS
-    from lightning_par3d.planning.plot import plot
+    from lightning_par3d.tools.plan import print_plan
 
     strategy = instantiate(cfg.strategy, _convert_="all")
     world_size = cfg.trainer.devices * cfg.trainer.num_nodes
@@ -103,11 +103,7 @@ def plan_layouts(cfg: DictConfig) -> Any:
         machine=machine,
         fixed=fixed,
     )
-    print(table.to_markdown(top=cfg.plan.top, group_rejected=True))
-    best = table.best
-    print("\nbest: " + " ".join(f"strategy.{k}={v}" for k, v in best.strategy_arguments().items()))
-    if cfg.plan.plot:
-        print(f"plot: {plot(table, cfg.plan.plot, top=cfg.plan.top)}")
+    print_plan(table, top=cfg.plan.top, plot_to=cfg.plan.plot)  # as `par3d plan` prints it
     return table
 
 
@@ -116,7 +112,7 @@ def dry_run_ranks(cfg: DictConfig) -> Any:
     pipeline stage) of the configured layout on ``trainer.devices × trainer.num_nodes`` ranks, each in a process
     of its own here, over torch's fake process group, on a real batch of the data (:func:`lightning_par3d.dry_run`).
     """
-    from lightning_par3d.planning import dry_run
+    from lightning_par3d.tools.dry_run import dry_run
 
     strategy = instantiate(cfg.strategy, _convert_="all", **pretrained_init(cfg))
     data = instantiate(cfg.data)

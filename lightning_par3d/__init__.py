@@ -10,23 +10,23 @@ Importing the package registers the strategy as ``"par3d"`` for both ``lightning
 
 The package does not import Lightning itself: ``Par3DStrategy`` and ``Par3DFabricStrategy`` load on first use, and
 the registration happens when Lightning is imported, before or after this package
-(:mod:`lightning_par3d.integrations.registration`), so ``import lightning_par3d.engine`` in a plain torch or
+(:mod:`lightning_par3d.registration`), so ``import lightning_par3d.engine`` in a plain torch or
 Accelerate script costs no Lightning import.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_par3d.compose import parallelize
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.config.styles import STYLE_NAMES
+from lightning_par3d.distributed.gradients import clip_grad_norm_, total_grad_norm
+from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.integrations.registration import register_when_lightning_loads
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
 from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
-from lightning_par3d.parallel.gradients import clip_grad_norm_, total_grad_norm
-from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.parallel.parallelize import parallelize
-from lightning_par3d.parallel.styles import STYLE_NAMES
-from lightning_par3d.planning import calibrate, choose_layout, dry_run, plan
+from lightning_par3d.planning import calibrate, choose_layout, plan
+from lightning_par3d.registration import register_when_lightning_loads
+from lightning_par3d.tools.dry_run import dry_run
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
@@ -60,16 +60,17 @@ if TYPE_CHECKING:
     from lightning_par3d.integrations.fabric import Par3DFabricStrategy
     from lightning_par3d.integrations.trainer import Par3DStrategy
 
-_LIGHTNING_FRONT_ENDS = {
-    "Par3DStrategy": "lightning_par3d.integrations.trainer",
-    "Par3DFabricStrategy": "lightning_par3d.integrations.fabric",
-}
-
 
 def __getattr__(name: str) -> Any:
     """The Lightning front-ends, imported (with Lightning) on first use."""
-    if name in _LIGHTNING_FRONT_ENDS:
-        return getattr(importlib.import_module(_LIGHTNING_FRONT_ENDS[name]), name)
+    if name == "Par3DStrategy":
+        from lightning_par3d.integrations.trainer import Par3DStrategy
+
+        return Par3DStrategy
+    if name == "Par3DFabricStrategy":
+        from lightning_par3d.integrations.fabric import Par3DFabricStrategy
+
+        return Par3DFabricStrategy
     raise AttributeError(f"module 'lightning_par3d' has no attribute {name!r}")
 
 

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 RECYCLE_THREADS = 64
 """A worker past this many OS threads is recycled after its job: every gloo group has a transport thread that wakes
 every 10 ms, idle or not, so threads that pile up (a job that makes its own groups) burn CPU while the worker waits.
-par3d's own groups do not pile up (one per set of ranks, :mod:`lightning_par3d.parallel.groups`): a 4-rank worker
+par3d's own groups do not pile up (one per set of ranks, :mod:`lightning_par3d.distributed.groups`): a 4-rank worker
 that has trained at every layout of the suite holds about 20 threads. Starting afresh costs 10 s of CPU or more (the
 process group, the first DTensor ops), so a recycle is rare by design."""
 

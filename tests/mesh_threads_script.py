@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_par3d.config import Par3DConfig, resolve_layout
-from lightning_par3d.parallel import groups
+from lightning_par3d.distributed import groups
 
 
 def threads() -> int:

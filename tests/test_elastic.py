@@ -32,7 +32,7 @@ from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
 from lightning_par3d import Par3DConfig
 from lightning_par3d.config import resolve_layout
-from lightning_par3d.elastic import ElasticSampler, accumulation_for, relayout
+from lightning_par3d.engine.elastic import ElasticSampler, accumulation_for, relayout
 from tests import background
 from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
@@ -311,7 +311,7 @@ def test_a_world_too_small_for_the_fixed_sizes_ends_every_rank_with_the_reason(t
 
 def test_front_ends_that_cannot_keep_the_promises_refuse_elastic():
     from lightning_par3d import Par3DFabricStrategy
-    from lightning_par3d.elastic import check_front_end
+    from lightning_par3d.engine.elastic import check_front_end
 
     with pytest.raises(ValueError, match=r"Par3DFabricStrategy\(elastic=True\): .* only the Trainer's strategy"):
         Par3DFabricStrategy(elastic=True)

@@ -151,7 +151,7 @@ def timeout_job() -> list[float]:
     import torch.distributed as dist
 
     from lightning_par3d import Par3DConfig, Par3DEngine
-    from lightning_par3d.torch_private import default_store
+    from lightning_par3d.utils.torch_private import default_store
 
     def seconds(group: dist.ProcessGroup) -> float:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -160,7 +160,7 @@ def timeout_job() -> list[float]:
     engine = Par3DEngine(Par3DConfig(dp_shard=2, timeout_s=77))
     engine.setup(torch.device("cpu"))
     mesh = engine.mesh
-    store = default_store()  # private in torch: lightning_par3d.torch_private says why
+    store = default_store()  # private in torch: lightning_par3d.utils.torch_private says why
     return [seconds(dist.group.WORLD), seconds(mesh["dp"].get_group()), store.timeout.total_seconds()]
 
 

@@ -187,7 +187,7 @@ def test_the_estimate_is_the_runs_own_build(monkeypatch):
     """The estimator builds each stage with the run's ``parallelize_part`` (its tensor-parallel share of the checked
     plan, its blocks as FSDP2 units), so a change to the build changes the estimate: without checkpointing in
     ``parallelize_part``, ``full`` estimates what ``none`` does."""
-    from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d import compose as build
 
     calls: list[tuple[str, int, int]] = []
     real = build.parallelize_part

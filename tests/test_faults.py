@@ -292,7 +292,7 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(pool2, killed_sav
 def test_the_failure_message_carries_the_whole_error() -> None:
     """Lightning's launcher may SIGKILL rank 0 before its traceback is printed (it polls the ranks it launched, and
     rank 0 has just ended them): the message printed first must carry every line of the error, not just the first."""
-    from lightning_par3d.parallel.faults import describe_failure
+    from lightning_par3d.distributed.faults import describe_failure
 
     error = ValueError("Tensor parallelism cannot split this model:\n  - tp=2 does not divide a.n_head=3\n  - b")
     message = describe_failure(0, 2, error, timeout_s=20)

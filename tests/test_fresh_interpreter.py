@@ -1,5 +1,5 @@
-"""``lightning_par3d.fresh_interpreter.call``: each call in a process of its own that shares nothing of the caller's
-torch state, forked from one clean server per calling process; errors, exits and timeouts come back as errors."""
+"""``lightning_par3d.utils.fresh_interpreter.call``: each call in a process of its own that shares nothing of the
+caller's torch state, forked from one clean server per calling process; errors, exits and timeouts come back as errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par3d import fresh_interpreter
-from lightning_par3d.fresh_interpreter import call
+from lightning_par3d.utils import fresh_interpreter
+from lightning_par3d.utils.fresh_interpreter import call
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server forks: Linux only")
 

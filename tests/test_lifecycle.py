@@ -115,7 +115,7 @@ def test_fit_then_test_validate_predict_and_fit_again_in_3d(pool8):
 def many_fits(strategy: dict[str, Any], fits: int, rebuild_meshes: bool = False) -> list[tuple[int, int]]:
     """``fits`` fits of fresh Trainers and modules in this process; OS threads and open descriptors after each.
     ``rebuild_meshes`` is the sabotage: a new mesh and new groups for every fit, as before they were shared."""
-    from lightning_par3d.parallel import groups
+    from lightning_par3d.distributed import groups
 
     original = groups.acquire_mesh
     if rebuild_meshes:

@@ -1,4 +1,5 @@
-"""Par3DConfig's fields as typed keywords of every front-end (one source of truth: the dataclass), and LightningCLI
+"""Par3DConfig's fields as typed keywords of every front-end (written once, in the dataclass; each front-end's signature
+is derived from it by ``lightning_par3d.config.field_keywords``), and LightningCLI
 end to end, as a user runs it: ``python examples/cli.py fit --trainer.strategy=lightning_par3d.Par3DStrategy ...``
 on the real interpreter, whose Lightning launcher starts the second rank."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 import os
 import subprocess
 import sys
@@ -24,12 +26,11 @@ FRONT_ENDS = [Par3DStrategy, Par3DFabricStrategy, Par3DAccelerator]
 LAYOUT_LINE = "par3d: pp=1 × dp_replicate=1 × dp_shard=1 × tp=2 on 2 ranks"
 
 
-def expected_parameter(f: dataclasses.Field) -> tuple[Any, str]:
-    """A field's (default, annotation) as a front-end writes it: the dataclass's, except that a list or dict field
-    (``default_factory``) defaults to None, which stands for a fresh empty one (``Any`` already admits None)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default, str(f.type)
-    return None, str(f.type) if f.type == "Any" else f"{f.type} | None"
+def expected_parameter(f: dataclasses.Field) -> tuple[Any, Any]:
+    """A field's (default, annotation) in a front-end's signature: the dataclass's, except that a list or dict field
+    (``default_factory``) defaults to None, which stands for a fresh empty one."""
+    hint = typing.get_type_hints(Par3DConfig)[f.name]
+    return (f.default if f.default is not dataclasses.MISSING else None), hint
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS, ids=lambda c: c.__name__)
@@ -94,7 +95,8 @@ def test_accelerator_settings_beside_a_parallelism_config():
     from lightning_par3d.integrations.accelerate import _config
 
     parallelism = SimpleNamespace(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
-    keywords = {name: parameter.default for name, parameter in inspect.signature(Par3DAccelerator).parameters.items()}
+    names = {f.name for f in dataclasses.fields(Par3DConfig)}
+    keywords = {n: p.default for n, p in inspect.signature(Par3DAccelerator).parameters.items() if n in names}
     config = _config(None, parallelism, {**keywords, "pp": 2, "zero_stage": 1})
     assert config == Par3DConfig(dp_shard=2, tp=2, pp=2, zero_stage=1)
     with pytest.raises(TypeError, match="got tp too"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_par3d.config import Layout
-from lightning_par3d.parallel.locality import launcher_devices_per_node, spans_nodes, tp_across_nodes
+from lightning_par3d.distributed.locality import launcher_devices_per_node, spans_nodes, tp_across_nodes
 
 
 def test_groups_cross_nodes_as_the_row_major_mesh_puts_them():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_par3d import Layout, Par3DMesh
-from lightning_par3d.parallel.mesh import Coords
+from lightning_par3d.distributed.mesh import Coords
 
 MESH = Par3DMesh(Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2))  # 16 ranks
 

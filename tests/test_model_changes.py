@@ -1,4 +1,4 @@
-"""What par3d changes on a user's model goes through one module (:mod:`lightning_par3d.parallel.model_changes`):
+"""What par3d changes on a user's model goes through one module (:mod:`lightning_par3d.utils.model_changes`):
 the classes it makes are cached, every change is listed, and ``undo`` takes them back."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_par3d.parallel.model_changes import changes, original_class, set_attribute, temporarily, undo
 from lightning_par3d.pipeline.trunk import PipelinedLoss, install_loss, install_trunk
+from lightning_par3d.utils.model_changes import changes, original_class, set_attribute, temporarily, undo
 
 
 class Block(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from examples.gpt import GPT, GPTConfig
 from lightning_par3d import Par3DConfig, resolve_layout
-from lightning_par3d.pipeline.schedules import stage_indices
+from lightning_par3d.config.schedules import stage_indices
 from lightning_par3d.pipeline.split import balanced_split, explicit_split, find_trunk_parts
 from tests.conftest import assert_parity, assert_resume_continues
 from tests.gpt_runs import run_par3d, run_reference
@@ -220,8 +220,8 @@ def test_a_partial_last_batch_trains_as_one_process_trains_it(pool):
 
 
 def test_microbatches_for_a_partial_batch():
+    from lightning_par3d.config.schedules import microbatches_for
     from lightning_par3d.pipeline.batches import EpochShape, check_epoch
-    from lightning_par3d.pipeline.schedules import microbatches_for
 
     assert microbatches_for(16, "1f1b", 4, 2, 1) == 4
     assert microbatches_for(15, "1f1b", 4, 2, 1) == 3  # 3 of 5

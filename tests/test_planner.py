@@ -13,10 +13,10 @@ import pytest
 
 from examples.gpt import GPT, GPTConfig, GPTModule
 from lightning_par3d import Par3DConfig, estimate_memory, resolve_layout
+from lightning_par3d.distributed.fakeworld import forget_meshes
 from lightning_par3d.planning import Link, Machine, SearchSpace, choose_layout, machine_profile, plan, schedule_bubble
 from lightning_par3d.planning.candidates import candidates
 from lightning_par3d.planning.cost import all_gather, all_reduce, group_link, predict_step, send
-from lightning_par3d.planning.fakeworld import forget_meshes
 from lightning_par3d.planning.probe import StageParams, StageWork
 from tests.constants import MODEL
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig, GPTModule
 from lightning_par3d.parallel.tensor_parallel import check_divisibility, expand_plan, find_plan
-from lightning_par3d.patterns import matches
+from lightning_par3d.utils.patterns import matches
 from tests.harness import RankError
 
 
@@ -231,7 +231,7 @@ def style_parity_job(plan: dict[str, str]) -> float:
 
 
 def test_every_style_matches_one_process(pool2):
-    from lightning_par3d.parallel.styles import CANONICAL_STYLES, canonical
+    from lightning_par3d.config.styles import CANONICAL_STYLES, canonical
 
     # Every style but the two that need no split of their own (tested below on local shards).
     assert {canonical(s) for s in StyleNet.plan.values()} == set(CANONICAL_STYLES) - {"all_reduce", "local_params"}
@@ -283,7 +283,7 @@ def test_all_reduce_and_local_params_styles(pool2):
 
 
 def test_transformers_names_and_refusals():
-    from lightning_par3d.parallel.styles import canonical
+    from lightning_par3d.config.styles import canonical
 
     assert canonical("colwise_rep") == "colwise_gather_output"
     assert canonical("rowwise_rep") == "rowwise_split_input"

@@ -2,7 +2,7 @@
 
 Each launch runs ``tests/threads_script.py`` with the real interpreter, and Lightning's subprocess launcher starts
 its 2 ranks, as ``python train.py`` with ``devices=2`` does. par3d's Trainer and Fabric strategies must give every
-rank the threads of par3d's rule (:func:`lightning_par3d.parallel.threads.threads_per_rank`: half of each rank's
+rank the threads of par3d's rule (:func:`lightning_par3d.distributed.threads.threads_per_rank`: half of each rank's
 share of the cores, at least 1) and that number in ``OMP_NUM_THREADS``; where the user set ``OMP_NUM_THREADS``, the
 user's value, on every rank alike. Before the first fix the ranks Lightning's launcher started kept torch's default
 (every core each), and pure data parallelism ran 5× slower than DDP on 4 CPU ranks; on 16 cores the fair share
@@ -58,7 +58,7 @@ globals().update(CASES)  # each launch is a fixture of this module, named as in 
 
 
 def _check(par3d: dict, user: str) -> None:
-    from lightning_par3d.parallel.threads import threads_per_rank
+    from lightning_par3d.distributed.threads import threads_per_rank
 
     assert sorted(par3d) == list(range(RANKS)), par3d
     omp = USER_THREADS[user] or str(threads_per_rank(RANKS))
@@ -79,12 +79,12 @@ def test_fabric_ranks_get_par3ds_threads(threads_fabric_par3d_none):
 
 
 def test_accelerate_ranks_get_the_rule_from_the_launchers_environment(monkeypatch):
-    """``Par3DAccelerator`` applies the same rule (:mod:`lightning_par3d.parallel.threads`) with the local process
+    """``Par3DAccelerator`` applies the same rule (:mod:`lightning_par3d.distributed.threads`) with the local process
     count torchrun, ``accelerate launch`` or SLURM give; a user's ``OMP_NUM_THREADS`` wins; a rank alone on its node
     gets every core."""
     import torch
 
-    from lightning_par3d.parallel.threads import (
+    from lightning_par3d.distributed.threads import (
         cpus_available,
         local_processes_from_env,
         set_threads_per_rank,

@@ -175,7 +175,7 @@ def test_pretrained_round_trip_at_pp2_tp2(pool4, tmp_path):
     par3d's; the CLI converts the par3d checkpoint of the same run into the same weights."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_par3d.transformers import main as convert
+    from lightning_par3d.tools.export_hf import main as convert
 
     source = save_tiny_pretrained(tmp_path / "pretrained")
     assert len(list(source.glob("*.safetensors"))) > 1, "the checkpoint should be sharded over several files"

@@ -53,7 +53,7 @@ from lightning_par3d.callbacks.bottleneck_findings import (
 )
 from lightning_par3d.callbacks.run_context import output_directory, par3d_engine, pp_rank, unconfigured_copy
 from lightning_par3d.callbacks.timeline import Block, plot_timeline
-from lightning_par3d.torch_private import schedule_stages
+from lightning_par3d.utils.torch_private import schedule_stages
 
 TRACES = ("rank0", "all", "none")
 """Which ranks' Chrome traces :class:`BottleneckReport` keeps."""
@@ -310,9 +310,9 @@ def _advice(
 ) -> tuple[list[Any], str | None]:
     """Rank 0: each change's predicted step (:func:`lightning_par3d.planning.advice.advise`, in a fresh
     interpreter), or why there is none."""
-    from lightning_par3d.fresh_interpreter import call
     from lightning_par3d.planning.advice import advise
     from lightning_par3d.planning.at_launch import device_memory
+    from lightning_par3d.utils.fresh_interpreter import call
 
     shape = extra.get("input_shape")
     if module is None or shape is None or len(shape) < 2:

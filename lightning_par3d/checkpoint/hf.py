@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back
-from lightning_par3d.patterns import find_transformers_model
+from lightning_par3d.utils.patterns import find_transformers_model
 
 
 def _transformers_model(module: nn.Module) -> tuple[str, nn.Module]:

@@ -35,15 +35,22 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, recursively_apply
 from torch import nn
 
-from lightning_par3d.config import Par3DConfig, changed_settings, config_from, field_settings
-from lightning_par3d.elastic import check_front_end
+from lightning_par3d.config import (
+    Par3DConfig,
+    changed_settings,
+    config_from,
+    explicit_settings,
+    field_keywords,
+    split_settings,
+)
+from lightning_par3d.distributed import groups
+from lightning_par3d.distributed.gather import map_tensors, only_tensors
+from lightning_par3d.distributed.threads import local_processes_from_env, set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.elastic import check_front_end
 from lightning_par3d.integrations.accelerate_prepare import PreparedForPar3D
 from lightning_par3d.integrations.accelerate_state import Par3DStateCheckpoints
-from lightning_par3d.parallel import groups
-from lightning_par3d.parallel.gather import map_tensors, only_tensors
 from lightning_par3d.parallel.precision import GlobalGradScaler
-from lightning_par3d.parallel.threads import local_processes_from_env, set_threads_per_rank
 
 PRECISIONS = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 """Accelerate's ``mixed_precision`` → par3d's precision."""
@@ -68,47 +75,16 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
             ``cpu`` defaults to True on a machine without CUDA.
     """
 
+    @field_keywords
     def __init__(
         self,
         *args: Any,
         par3d: Par3DConfig | None = None,
         parallelism_config: Any = None,
-        # Par3DConfig's fields, typed, with its defaults (None: a fresh empty list or dict); tests/test_lightning_cli.py
-        # keeps them equal to the dataclass.
-        dp_replicate: int = 1,
-        dp_shard: int | str = "auto",
-        zero_stage: int | None = None,
-        dp: int | None = None,
-        tp: int = 1,
-        pp: int = 1,
-        pipeline_schedule: str = "1f1b",
-        microbatches: int = 4,
-        virtual_stages: int = 1,
-        split_points: list[str] | None = None,
-        tp_plan: Any = None,
-        fsdp_blocks: str | None = None,
-        reshard_after_forward: bool | None = None,
-        activation_checkpointing: str = "none",
-        ac_every: int = 2,
-        ac_blocks: str | None = None,
-        compile: bool = False,
-        compile_options: dict[str, Any] | None = None,
-        offload: bool = False,
-        grad_compression: str | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 2,
-        init: str = "rank0",
-        pretrained_path: str | None = None,
-        seed: int | None = None,
-        timeout_s: float = 1800.0,
-        layout: str | None = None,
-        plan_machine: str | None = None,
-        plan_device_memory: int | str | None = None,
-        plan_batch: list[int] | None = None,
-        elastic: bool = False,
         **kwargs: Any,
     ) -> None:
-        config = _config(par3d, parallelism_config, locals())
+        settings, kwargs = split_settings(kwargs)
+        config = _config(par3d, parallelism_config, settings)
         check_front_end("Par3DAccelerator", config)
         mixed, cpu = _checked_accelerate_arguments(kwargs)
         self.engine = Par3DEngine(config, precision=PRECISIONS[mixed])
@@ -271,7 +247,7 @@ def _config(par3d: Par3DConfig | None, parallelism_config: Any, values: dict[str
         return config_from("Par3DAccelerator", par3d, values, name="par3d")
     if par3d is not None:
         raise TypeError("Pass either par3d= or parallelism_config= to Par3DAccelerator, not both.")
-    settings = field_settings(values)
+    settings = explicit_settings(values)
     given = [name for name in changed_settings(settings) if name in _FROM_PARALLELISM_CONFIG]
     if given:
         raise TypeError(

@@ -25,9 +25,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.parallel.model_changes import set_attribute
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.planning.at_launch import batch_shape, meta_copy
+from lightning_par3d.utils.model_changes import set_attribute
 
 
 class PreparedForPar3D(Accelerator):

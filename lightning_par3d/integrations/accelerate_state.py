@@ -12,8 +12,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.parallel.model_changes import restore_attribute
 from lightning_par3d.pipeline.trunk import PipelineHost
+from lightning_par3d.utils.model_changes import restore_attribute
 
 
 class Par3DStateCheckpoints(Accelerator):

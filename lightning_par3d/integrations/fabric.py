@@ -31,11 +31,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par3d.config import Par3DConfig
+from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.fabric_checkpoints import FabricCheckpoints
-from lightning_par3d.integrations.registration import register_fabric_strategy
+from lightning_par3d.integrations.registry import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.planning.at_launch import meta_copy
 
@@ -47,6 +47,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpoints, ParallelS
 
     launcher_class = _SubprocessScriptLauncher
 
+    @field_keywords
     def __init__(
         self,
         config: Par3DConfig | None = None,
@@ -57,41 +58,9 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpoints, ParallelS
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        # Par3DConfig's fields, typed, with its defaults (None: a fresh empty list or dict); tests/test_lightning_cli.py
-        # keeps them equal to the dataclass.
-        dp_replicate: int = 1,
-        dp_shard: int | str = "auto",
-        zero_stage: int | None = None,
-        dp: int | None = None,
-        tp: int = 1,
-        pp: int = 1,
-        pipeline_schedule: str = "1f1b",
-        microbatches: int = 4,
-        virtual_stages: int = 1,
-        split_points: list[str] | None = None,
-        tp_plan: Any = None,
-        fsdp_blocks: str | None = None,
-        reshard_after_forward: bool | None = None,
-        activation_checkpointing: str = "none",
-        ac_every: int = 2,
-        ac_blocks: str | None = None,
-        compile: bool = False,
-        compile_options: dict[str, Any] | None = None,
-        offload: bool = False,
-        grad_compression: str | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 2,
-        init: str = "rank0",
-        pretrained_path: str | None = None,
-        seed: int | None = None,
-        timeout_s: float = 1800.0,
-        layout: str | None = None,
-        plan_machine: str | None = None,
-        plan_device_memory: int | str | None = None,
-        plan_batch: list[int] | None = None,
-        elastic: bool = False,
+        **settings: Any,  # Par3DConfig's fields (field_keywords puts them in the signature)
     ) -> None:
-        self.engine = shared.engine_for(type(self).__name__, config, locals())
+        self.engine = shared.engine_for(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

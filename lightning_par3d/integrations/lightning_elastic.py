@@ -1,8 +1,9 @@
-"""The Trainer's part of elastic runs (``Par3DStrategy(elastic=True)``; see :mod:`lightning_par3d.elastic`).
+"""The Trainer's part of elastic runs (``Par3DStrategy(elastic=True)``; see :mod:`lightning_par3d.engine.elastic`).
 
-* The training dataloader (``process_dataloader``) reads through an :class:`~lightning_par3d.elastic.ElasticSampler`
-  in place of Lightning's ``DistributedSampler``: the same order, with its position a global sample offset.
-* Every checkpoint records an :class:`~lightning_par3d.elastic.ElasticState` (the global batch, the world, the
+* The training dataloader (``process_dataloader``) reads through an
+  :class:`~lightning_par3d.engine.elastic.ElasticSampler` in place of Lightning's ``DistributedSampler``: the same
+  order, with its position a global sample offset.
+* Every checkpoint records an :class:`~lightning_par3d.engine.elastic.ElasticState` (the global batch, the world, the
   layout, the accumulation and the epoch's sample position) beside Lightning's loop state.
 * A resume from such a checkpoint (``trainer.fit(..., ckpt_path="last")`` finds the newest: par3d's saves are
   atomic) sets ``accumulate_grad_batches`` to keep the global batch at this launch's data-parallel size, starts the
@@ -22,11 +23,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_par3d.elastic import ElasticSampler, ElasticState, accumulation_for
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.elastic import ElasticSampler, ElasticState, accumulation_for
 
 STATE_KEY = "par3d_elastic"
-"""The checkpoint entry of an elastic run's :class:`~lightning_par3d.elastic.ElasticState`."""
+"""The checkpoint entry of an elastic run's :class:`~lightning_par3d.engine.elastic.ElasticState`."""
 
 
 class ElasticTraining(ParallelStrategy):

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.parallel.model_changes import temporarily
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
+from lightning_par3d.utils.model_changes import temporarily
 
 LossFn = Callable[..., torch.Tensor]
 

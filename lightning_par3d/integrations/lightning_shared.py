@@ -27,20 +27,20 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_par3d.config import Layout, Par3DConfig, config_from
-from lightning_par3d.elastic import check_front_end
+from lightning_par3d.distributed import groups
+from lightning_par3d.distributed.mesh import Par3DMesh
+from lightning_par3d.distributed.threads import set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.parallel import groups
-from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.parallel.threads import set_threads_per_rank
+from lightning_par3d.engine.elastic import check_front_end
 from lightning_par3d.planning.at_launch import batch_shape
 
 T = TypeVar("T")
 
 
-def engine_for(owner: str, config: Par3DConfig | None, values: Mapping[str, Any]) -> Par3DEngine:
-    """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (not both);
-    ``values`` is the strategy's ``locals()`` (see :func:`~lightning_par3d.config.config_from`)."""
-    resolved = config_from(owner, config, values)
+def engine_for(owner: str, config: Par3DConfig | None, settings: Mapping[str, Any]) -> Par3DEngine:
+    """The engine of a strategy created with a ``Par3DConfig`` or with its fields as keywords (``settings``), not
+    both (see :func:`~lightning_par3d.config.config_from`)."""
+    resolved = config_from(owner, config, settings)
     check_front_end(owner, resolved)
     return Par3DEngine(resolved)
 
@@ -49,7 +49,7 @@ def init_distributed(
     cluster_environment: ClusterEnvironment, device: torch.device, backend: str | None, timeout_s: float
 ) -> str:
     """Initializes the default process group through Lightning (its cluster environment sets the address, port and
-    ranks) if nobody has, giving the ranks at least :data:`~lightning_par3d.parallel.groups.JOIN_TIMEOUT_FLOOR_S` to
+    ranks) if nobody has, giving the ranks at least :data:`~lightning_par3d.distributed.groups.JOIN_TIMEOUT_FLOOR_S` to
     join; returns the backend. :meth:`Par3DEngine.setup <lightning_par3d.engine.Par3DEngine.setup>` then sets the
     collective timeout, as it does for a group anyone else created."""
     backend = backend or _get_default_process_group_backend_for_device(device)
@@ -223,7 +223,7 @@ class LightningFrontEnd:
     def _configure_launcher(self: Any) -> None:
         """Lightning's subprocess launcher, on every rank, as Lightning's ``DDPStrategy`` has it: it starts the
         other local ranks only where the cluster environment does not (never in them, nor under torchrun or
-        SLURM). CPU ranks get par3d's threads (:mod:`lightning_par3d.parallel.threads`) unless the user set
+        SLURM). CPU ranks get par3d's threads (:mod:`lightning_par3d.distributed.threads`) unless the user set
         ``OMP_NUM_THREADS``, exported before the launcher starts the other ranks, which inherit it (Lightning's
         launcher then leaves the count alone; GPU ranks keep Lightning's rule). The layout is validated first,
         before any process is launched."""

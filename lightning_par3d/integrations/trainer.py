@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par3d.config import Par3DConfig
+from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_checkpoints import ShardedCheckpoints
 from lightning_par3d.integrations.lightning_collectives import LayoutCollectives
@@ -25,7 +25,7 @@ from lightning_par3d.integrations.lightning_logging import LogRelay
 from lightning_par3d.integrations.lightning_pipeline import HeldGradients, PipelinedSteps
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
 from lightning_par3d.integrations.lightning_summary import use_par3d_summary
-from lightning_par3d.integrations.registration import register_trainer_strategy
+from lightning_par3d.integrations.registry import register_trainer_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.pipeline.trunk import install_loss
 from lightning_par3d.planning.at_launch import meta_copy
@@ -56,6 +56,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
     strategy_name = "par3d"
     launcher_class = _SubprocessScriptLauncher
 
+    @field_keywords
     def __init__(
         self,
         config: Par3DConfig | None = None,
@@ -66,41 +67,9 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        # Par3DConfig's fields, typed, with its defaults (None: a fresh empty list or dict); tests/test_lightning_cli.py
-        # keeps them equal to the dataclass.
-        dp_replicate: int = 1,
-        dp_shard: int | str = "auto",
-        zero_stage: int | None = None,
-        dp: int | None = None,
-        tp: int = 1,
-        pp: int = 1,
-        pipeline_schedule: str = "1f1b",
-        microbatches: int = 4,
-        virtual_stages: int = 1,
-        split_points: list[str] | None = None,
-        tp_plan: Any = None,
-        fsdp_blocks: str | None = None,
-        reshard_after_forward: bool | None = None,
-        activation_checkpointing: str = "none",
-        ac_every: int = 2,
-        ac_blocks: str | None = None,
-        compile: bool = False,
-        compile_options: dict[str, Any] | None = None,
-        offload: bool = False,
-        grad_compression: str | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 2,
-        init: str = "rank0",
-        pretrained_path: str | None = None,
-        seed: int | None = None,
-        timeout_s: float = 1800.0,
-        layout: str | None = None,
-        plan_machine: str | None = None,
-        plan_device_memory: int | str | None = None,
-        plan_batch: list[int] | None = None,
-        elastic: bool = False,
+        **settings: Any,  # Par3DConfig's fields (field_keywords puts them in the signature)
     ) -> None:
-        self.engine = shared.engine_for(type(self).__name__, config, locals())
+        self.engine = shared.engine_for(type(self).__name__, config, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -3,9 +3,9 @@
 :func:`estimate_memory` builds the model under ``FakeTensorMode`` (tensors with shapes, dtypes and devices, but no
 storage) and, for each pipeline stage, builds and parallelizes it with the run's own functions, in a single process
 over torch's fake process group (collectives that move nothing): the mesh (:meth:`Par3DMesh.build`), the checked
-tensor-parallel plan, the stage split (:func:`~lightning_par3d.parallel.parallelize.plan_pipeline`,
-:func:`~lightning_par3d.parallel.parallelize.build_stage`) and
-:func:`~lightning_par3d.parallel.parallelize.parallelize_part` itself: tensor parallelism, activation checkpointing
+tensor-parallel plan, the stage split (:func:`~lightning_par3d.compose.plan_pipeline`,
+:func:`~lightning_par3d.compose.build_stage`) and
+:func:`~lightning_par3d.compose.parallelize_part` itself: tensor parallelism, activation checkpointing
 and FSDP2's ``fully_shard`` with the run's mixed-precision policy. A change to the build changes the estimate with
 it. From that it takes
 
@@ -26,25 +26,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_par3d import compose as build
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.distributed.fakeworld import fake_world
+from lightning_par3d.distributed.groups import fake_group
+from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
-from lightning_par3d.parallel import parallelize as build
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
-from lightning_par3d.parallel.groups import fake_group
-from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.precision import autocast, check_precision
 from lightning_par3d.parallel.tensor_parallel import local_tensor
-from lightning_par3d.pipeline.runner import torch_schedule
+from lightning_par3d.pipeline.actions import Action, pipeline_actions, schedule_peak
 from lightning_par3d.pipeline.trunk import declared_pipeline
-from lightning_par3d.torch_private import fake_mode_paused, fake_tensor_mode
+from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
 
 _DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
@@ -198,7 +198,7 @@ def estimate_memory(
         if order is None:
             peak, in_flight = stages[0].activation_bytes, 1
         else:
-            peak, in_flight = _schedule_peak(order[pp_rank], {s: stages[s].activation_bytes for s in mine})
+            peak, in_flight = schedule_peak(order[pp_rank], {s: stages[s].activation_bytes for s in mine})
         recompute = max(stages[s].recompute_bytes for s in mine)
         shapes = [shape for s in mine for shape in stages[s].param_shapes]
         param_b, grad_b, state_b = _DTYPE_BYTES[precision]
@@ -230,19 +230,6 @@ class _StageMeasure:
     """Under full or selective checkpointing: the largest checkpointed block's own activations, held again while
     backward recomputes it."""
     output: Any = None
-
-
-@contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
-    """A default process group of torch's fake backend (its collectives move nothing), in which this process plays
-    rank 0 of ``world_size``."""
-    import torch.distributed as dist
-
-    dist.init_process_group("fake", rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
@@ -283,7 +270,7 @@ def _measure_stages(
         microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
     carried: Any = microbatch[0]
     results: list[_StageMeasure] = []
-    with _fake_world(layout.world_size):
+    with fake_world(layout.world_size):
         # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
         mesh = Par3DMesh.build(layout, "cpu", fake_group)
         for stage in range(layout.n_stages):
@@ -338,7 +325,7 @@ class _Part:
         before FSDP2 renames their classes); and its forward on one microbatch (with the loss, on the last
         stage).
 
-        :func:`~lightning_par3d.parallel.parallelize.parallelize_part` runs with the fake mode paused: FSDP2 builds
+        :func:`~lightning_par3d.compose.parallelize_part` runs with the fake mode paused: FSDP2 builds
         a ``DeviceMesh`` for a parameter that is already a tp DTensor, and a mesh computes its coordinates with
         ``nonzero()``, which the fake mode refuses (its output shape depends on data). The model's tensors stay
         fake all the same: every op on them dispatches to their own fake mode."""
@@ -412,51 +399,9 @@ def _tp_local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
 # ---------------------------------------------------------------- schedule
 
 
-def _pipeline_order(layout: Layout) -> dict[int, list[Any]]:
-    """torch's action list per pipeline rank for the layout's schedule (built over a fake pp group)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    with _fake_world(layout.pp):
-        stages = [
-            PipelineStage(nn.Identity(), i, layout.n_stages, torch.device("cpu")) for i in layout.stage_indices(0)
-        ]
-        schedule = torch_schedule(layout, stages, _no_loss)
-        order = schedule.pipeline_order
-    assert order is not None, f"torch's {type(schedule).__name__} gives no pipeline_order"
-    return order
-
-
-def _no_loss(outputs: Tensor, targets: Tensor) -> Tensor:
-    return outputs.sum()
-
-
-def _schedule_peak(actions: Sequence[Any], per_microbatch: dict[int, int]) -> tuple[int, int]:
-    """Walks one rank's actions: a forward adds its stage's bytes, a full backward (or, for zero-bubble schedules,
-    the weight-gradient pass that comes after the input-gradient pass) releases them. Returns (peak bytes, peak
-    count in flight)."""
-    live = peak = count = peak_count = 0
-    for action in flatten_actions(actions):
-        kind = str(action.computation_type.value)
-        stage = action.stage_index
-        if kind == "F":
-            live, count = live + per_microbatch[stage], count + 1
-        elif kind in ("B", "W"):
-            live, count = live - per_microbatch[stage], count - 1
-        peak, peak_count = max(peak, live), max(peak_count, count)
-    return peak, peak_count
-
-
-def flatten_actions(actions: Sequence[Any]) -> Iterator[Any]:
-    """The actions of a torch schedule's ``pipeline_order`` row, grouped actions opened up and idle slots left out
-    (the estimator's walk, and the planner's timing of the same order)."""
-    for action in actions:
-        if action is None:
-            continue
-        sub = getattr(action, "sub_actions", None)
-        if sub:
-            yield from flatten_actions(sub)
-        else:
-            yield action
+def _pipeline_order(layout: Layout) -> dict[int, tuple[Action, ...]]:
+    """torch's actions per pipeline rank for the layout's schedule (:mod:`lightning_par3d.pipeline.actions`)."""
+    return pipeline_actions(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches)
 
 
 # ---------------------------------------------------------------- batches

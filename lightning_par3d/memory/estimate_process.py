@@ -3,8 +3,8 @@
 :func:`~lightning_par3d.memory.estimate.estimate_memory` simulates every rank over torch's fake process group, which
 must be its process's default group; a rank of a real run already has one (``MemoryStats`` asks for the estimate at
 the end of fit). :func:`estimate_in_fresh_interpreter` therefore runs it in a new interpreter
-(:mod:`lightning_par3d.fresh_interpreter`): the unconfigured LightningModule, the config and the batch shapes go in
-pickled with ``cloudpickle``, the :class:`~lightning_par3d.memory.estimate.MemoryEstimate` comes back. Nothing of the
+(:mod:`lightning_par3d.utils.fresh_interpreter`): the unconfigured LightningModule, the config and the batch shapes go
+in pickled with ``cloudpickle``, the :class:`~lightning_par3d.memory.estimate.MemoryEstimate` comes back. Nothing of the
 calling process's torch state is touched or copied.
 """
 
@@ -26,8 +26,8 @@ def estimate_in_fresh_interpreter(
     """:func:`~lightning_par3d.memory.estimate.estimate_memory` with these arguments, computed in a fresh
     interpreter. Raises ``RuntimeError`` when the module cannot be sent or the child ends without a result (and
     after ``timeout_s``), and the estimator's own error when it fails."""
-    from lightning_par3d.fresh_interpreter import call
     from lightning_par3d.memory.estimate import estimate_memory
+    from lightning_par3d.utils.fresh_interpreter import call
 
     return call(
         estimate_memory, module, config, world_size, batch, precision=precision, optimizer=optimizer,

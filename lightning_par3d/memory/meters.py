@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_par3d.parallel.activation_checkpoint import CACHE_OBSERVERS
 from lightning_par3d.parallel.tensor_parallel import local_tensor
-from lightning_par3d.torch_private import view_base
+from lightning_par3d.utils.torch_private import view_base
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import zero_optimizers
 

@@ -14,7 +14,7 @@ Blocks are the modules ``ac_blocks`` names (a class name, or a module-name patte
 default the members of the model's containers of repeated blocks. A checkpointed block stays the same object under
 the same name: its class gains a ``forward`` that calls the original one through
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so state dicts, tensor-parallel plans and FSDP2 units
-are unaffected. :func:`~lightning_par3d.parallel.parallelize.parallelize` applies it after tensor parallelism and before
+are unaffected. :func:`~lightning_par3d.compose.parallelize` applies it after tensor parallelism and before
 FSDP2, torchtitan's order.
 """
 
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from lightning_par3d.config import AC_MODES
-from lightning_par3d.parallel.model_changes import set_attribute, swap_class
-from lightning_par3d.patterns import find_modules, repeated_members
-from lightning_par3d.torch_private import functional_collective_ops
+from lightning_par3d.utils.model_changes import set_attribute, swap_class
+from lightning_par3d.utils.patterns import find_modules, repeated_members
+from lightning_par3d.utils.torch_private import functional_collective_ops
 
 CACHE_OBSERVERS: list[Callable[[list[Any]], None]] = []
 """Called with the outputs that ``op`` mode caches for backward, as they are cached (outside autograd's saved

@@ -12,7 +12,7 @@ same object under the same name, and only its call goes through the compiled fun
   model's training-time KV cache would give each layer a different graph; :func:`training_without_kv_cache` turns
   it off (``config.use_cache = False``, what transformers' own gradient checkpointing does in training).
 
-:func:`~lightning_par3d.parallel.parallelize.parallelize_part` compiles after tensor parallelism and activation
+:func:`~lightning_par3d.compose.parallelize_part` compiles after tensor parallelism and activation
 checkpointing and before FSDP2 (torchtitan's order): the compiled graph then holds the block's DTensor ops and its
 recompute, and FSDP2's all-gathers stay outside it.
 
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.model_changes import set_attribute
-from lightning_par3d.patterns import is_transformers_model, repeated_members
-from lightning_par3d.torch_private import triton_available
+from lightning_par3d.utils.model_changes import set_attribute
+from lightning_par3d.utils.patterns import is_transformers_model, repeated_members
+from lightning_par3d.utils.torch_private import triton_available
 
 
 def compile_blocks(module: nn.Module, options: Mapping[str, Any] | None = None) -> int:
     """Compiles, in place, every member of the model's containers of repeated blocks (see
-    :func:`~lightning_par3d.patterns.repeated_members`) with ``torch.compile(**options)``; returns how many."""
+    :func:`~lightning_par3d.utils.patterns.repeated_members`) with ``torch.compile(**options)``; returns how many."""
     blocks = [block for sub in module.modules() for block in repeated_members(sub)]
     for block in blocks:
         compile_in_place(block, options)
@@ -60,7 +60,7 @@ def training_without_kv_cache(module: nn.Module) -> list[str]:
 
 
 def compile_in_place(block: nn.Module, options: Mapping[str, Any] | None = None) -> None:
-    """``block.compile(**options)``, recorded so that :func:`~lightning_par3d.parallel.model_changes.undo` takes it
+    """``block.compile(**options)``, recorded so that :func:`~lightning_par3d.utils.model_changes.undo` takes it
     back. The block keeps its class, its name and its parameters' names."""
     compiled = torch.compile(block._call_impl, **dict(options or {}))
     set_attribute(block, "_compiled_call_impl", compiled)

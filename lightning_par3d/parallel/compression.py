@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_par3d.config import Par3DConfig
+
 
 def check_compression_device(kind: str | None, device_type: str) -> None:
     """Raises ``ValueError`` for a compression torch does not offer on ``device_type``: its bf16 hook needs NCCL
@@ -55,3 +57,10 @@ class Compression:
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             return state
         raise ValueError(f"Unknown gradient compression {self.kind!r}; allowed: 'fp16', 'bf16', 'powersgd'.")
+
+
+def compression_of(config: Par3DConfig) -> Compression | None:
+    """The DDP gradient compression ``config`` asks for (``grad_compression``), or None."""
+    if config.grad_compression is None:
+        return None
+    return Compression(config.grad_compression, config.powersgd_rank, config.powersgd_start_iter)

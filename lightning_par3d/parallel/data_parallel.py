@@ -33,14 +33,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par3d.parallel.compression import Compression
 from lightning_par3d.parallel.packed_shards import fsdp_shard_placement
-from lightning_par3d.patterns import find_modules, repeated_members
+from lightning_par3d.utils.patterns import find_modules, repeated_members
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d.distributed.mesh import Par3DMesh
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_par3d.torch_private import strided_shard
+from lightning_par3d.utils.torch_private import strided_shard
 
 
 class _CopyToRanks(torch.autograd.Function):

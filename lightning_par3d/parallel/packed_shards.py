@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_par3d.torch_private import strided_shard
+from lightning_par3d.utils.torch_private import strided_shard
 
 
 def is_packed_shard(tensor: Any) -> bool:

@@ -18,6 +18,7 @@ that carry these modes into the Trainer live in :mod:`lightning_par3d.integratio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,32 @@ if TYPE_CHECKING:
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 """The ``precision=`` values par3d accepts."""
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes of one element of each kind of tensor under a precision."""
+
+    compute: int
+    """An activation, and a matmul's operands (what autocast computes in)."""
+    param: int
+    grad: int
+    state: int
+    """An element of the optimizer's state (Adam's moments)."""
+
+
+ELEMENT_BYTES = {
+    "32-true": ElementBytes(compute=4, param=4, grad=4, state=4),
+    "bf16-mixed": ElementBytes(compute=2, param=4, grad=4, state=4),
+    "16-mixed": ElementBytes(compute=2, param=4, grad=4, state=4),
+    "bf16-true": ElementBytes(compute=2, param=2, grad=2, state=2),
+}
+"""Each precision's element sizes: the one table the planner's time and memory models read."""
+
+
+def element_bytes(precision: str) -> ElementBytes:
+    """:data:`ELEMENT_BYTES` of ``precision`` (fp32's for one par3d does not name)."""
+    return ELEMENT_BYTES.get(precision, ELEMENT_BYTES["32-true"])
 
 
 def precision_name(plugin: Any) -> str:
@@ -81,7 +108,7 @@ class GlobalGradScaler(torch.amp.GradScaler):
         import torch.distributed as dist
 
         from lightning_par3d.parallel.tensor_parallel import local_tensor
-        from lightning_par3d.torch_private import unscale_and_check_finite
+        from lightning_par3d.utils.torch_private import unscale_and_check_finite
 
         grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:

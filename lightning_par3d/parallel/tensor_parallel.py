@@ -1,6 +1,6 @@
 """Tensor parallelism: find the plan, check it against the model, apply it with ``parallelize_module``.
 
-A plan maps module-name patterns to style strings (:mod:`lightning_par3d.parallel.styles`). ``*`` stands
+A plan maps module-name patterns to style strings (:mod:`lightning_par3d.config.styles`). ``*`` stands
 for one name segment, and a pattern matches the trailing segments of a module's full name, so the plan
 ``{"h.*.attn.c_attn": "colwise"}`` matches ``model.transformer.h.0.attn.c_attn``, and a transformers model's
 ``base_model_tp_plan`` works from whatever attribute the LightningModule keeps the model in.
@@ -14,17 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.styles import (
-    SPLITTING_STYLES,
-    STYLE_NAMES,
-    build_style,
-    canonical,
-    split_size,
-    unknown_style_message,
-)
+from lightning_par3d.config.styles import SPLITTING_STYLES, STYLE_NAMES, canonical, unknown_style_message
+from lightning_par3d.parallel.styles import build_style, split_size
 from lightning_par3d.parallel.ties import tied_groups
-from lightning_par3d.patterns import is_transformers_model, matches
-from lightning_par3d.torch_private import dtensor_local
+from lightning_par3d.utils.patterns import is_transformers_model, matches
+from lightning_par3d.utils.torch_private import dtensor_local
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -157,7 +151,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Ma
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's own tensor of a DTensor (the storage FSDP2 and DCP use too, with no autograd in between:
-    :func:`~lightning_par3d.torch_private.dtensor_local`), or ``t``."""
+    :func:`~lightning_par3d.utils.torch_private.dtensor_local`), or ``t``."""
     from torch.distributed.tensor import DTensor
 
     return dtensor_local(t) if isinstance(t, DTensor) else t

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_par3d.pipeline.schedules import microbatches_for
+from lightning_par3d.config.schedules import microbatches_for
 
 if TYPE_CHECKING:
     from lightning_par3d.config import Layout

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.patterns import is_transformers_model
+from lightning_par3d.utils.patterns import is_transformers_model
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_par3d.pipeline.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, microbatches_for
+from lightning_par3d.config.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, microbatches_for
 
 if TYPE_CHECKING:
     from lightning_par3d.config import Layout
-    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d.distributed.mesh import Par3DMesh
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -63,7 +63,7 @@ class PipelineRunner:
 
     def microbatches_for(self, batch: int | None) -> int:
         """How many equal microbatches a batch of ``batch`` samples per data-parallel rank runs as
-        (:func:`~lightning_par3d.pipeline.schedules.microbatches_for`); raises ``ValueError`` naming the fix if
+        (:func:`~lightning_par3d.config.schedules.microbatches_for`); raises ``ValueError`` naming the fix if
         none can. ``None`` (a batch without a leading dimension) runs as configured."""
         if batch is None or batch % self.n_microbatches == 0 or self.layout is None:
             return self.n_microbatches
@@ -246,7 +246,7 @@ def _zero_loss(outputs: Any, targets: Any) -> torch.Tensor:
 
 STATIC_STAGE_IO: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
 """Stage index → example (inputs, outputs) of one microbatch (meta tensors), handed to torch's ``PipelineStage`` as
-its static metadata. Filled only by the dry run (:mod:`lightning_par3d.planning.dry_run`), whose fake process group
+its static metadata. Filled only by the dry run (:mod:`lightning_par3d.tools.dry_run`), whose fake process group
 cannot carry the shapes that stages otherwise exchange at the first step; empty in a run, whose stages infer their
 metadata from the first microbatch."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_par3d.patterns import repeated_members
+from lightning_par3d.utils.patterns import repeated_members
 
 
 class NotOnThisStage(nn.Module):

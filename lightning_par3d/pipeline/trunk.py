@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.model_changes import set_attribute, swap_class
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
+from lightning_par3d.utils.model_changes import set_attribute, swap_class
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
     print(table)                      # fitting layouts fastest first, then the rejected ones with their reasons
     config = choose_layout(GPTModule(), 8, 8, "80GiB", global_batch=16, seq_len=64)   # the best, a Par3DConfig
 
-``python -m lightning_par3d.plan --module examples.gpt:GPTModule --world-size 8 ...`` prints the same table.
+``par3d plan --model-config conf/model/gpt.yaml --world-size 8 ...`` prints the same table
+(:mod:`lightning_par3d.tools.plan`).
 
 * :mod:`~lightning_par3d.planning.candidates`: the search space, ``fixed``, and the checks before the model;
 * :mod:`~lightning_par3d.planning.probe`: FLOPs, ops, tp collectives and shapes, read from the model;
@@ -16,15 +17,12 @@
 * :mod:`~lightning_par3d.planning.cost`: the step-time formulas;
 * :mod:`~lightning_par3d.planning.machine`: machines, links and profiles (with their sources);
 * :mod:`~lightning_par3d.planning.calibrate`: measuring this machine;
-* :mod:`~lightning_par3d.planning.dry_run`: chosen ranks of an N-rank layout run for real, one process each, over
-  the fake process group;
 * :mod:`~lightning_par3d.planning.table`, :mod:`~lightning_par3d.planning.plot`: the result, as text and picture.
 """
 
 from lightning_par3d.planning.calibrate import calibrate
 from lightning_par3d.planning.candidates import SearchSpace
 from lightning_par3d.planning.cost import StepTime, predict_step
-from lightning_par3d.planning.dry_run import DryRun, DryRunRank, dry_run
 from lightning_par3d.planning.machine import PROFILES, Link, Machine, machine_profile
 from lightning_par3d.planning.planner import choose_layout, plan
 from lightning_par3d.planning.plot import plot
@@ -33,8 +31,6 @@ from lightning_par3d.planning.table import PlanRow, PlanTable
 
 __all__ = [
     "PROFILES",
-    "DryRun",
-    "DryRunRank",
     "Link",
     "Machine",
     "PlanRow",
@@ -43,7 +39,6 @@ __all__ = [
     "StepTime",
     "calibrate",
     "choose_layout",
-    "dry_run",
     "machine_profile",
     "plan",
     "plot",

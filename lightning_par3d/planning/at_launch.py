@@ -155,8 +155,8 @@ def _plan_on_rank_zero(
     machine: Machine | str,
 ) -> tuple[str, Any]:
     """``("ok", the chosen sizes and settings)`` or ``("error", the message)``, after printing the choice."""
-    from lightning_par3d.fresh_interpreter import call
     from lightning_par3d.planning.planner import plan
+    from lightning_par3d.utils.fresh_interpreter import call
 
     if module is None:
         return "error", "layout='auto': rank 0 has no copy of the model to plan with (an integration error)."

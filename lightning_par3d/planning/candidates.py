@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par3d.config import AC_MODES, Layout, Par3DConfig, resolve_layout
-from lightning_par3d.parallel.locality import tp_across_nodes
-from lightning_par3d.pipeline.schedules import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
+from lightning_par3d.config.schedules import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
+from lightning_par3d.distributed.locality import tp_across_nodes
 
 SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
 FIXED_KEYS = (*SIZE_KEYS, "dp", "zero_stage", "pipeline_schedule", "virtual_stages", "microbatches",

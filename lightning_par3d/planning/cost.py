@@ -71,7 +71,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_par3d.config import Layout, Par3DConfig
-from lightning_par3d.parallel.locality import spans_nodes
+from lightning_par3d.distributed.locality import spans_nodes
+from lightning_par3d.parallel.precision import element_bytes
 from lightning_par3d.planning.machine import Link, Machine
 from lightning_par3d.planning.probe import StageParams, StageWork
 
@@ -88,10 +89,6 @@ INPUT_GRAD_SHARE = 0.5
 """Share of a backward that computes the input gradient (``I``) in the zero-bubble schedules; the weight
 gradient (``W``) is the rest (a linear layer's two gradient matmuls cost the same)."""
 OPTIMIZER_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
-COMPUTE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
-"""Bytes per activation element, by precision."""
-PARAM_BYTES = {"bf16-true": 2}
-"""Parameter and gradient bytes where not 4 (the ``-mixed`` modes keep fp32 masters)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +210,7 @@ def stage_cost(
 ) -> StageCost:
     """The stage's forward and backward for one microbatch of ``samples`` (see the module docstring)."""
     throughput, t = machine.flops_for(precision), layout.tp
-    scale = COMPUTE_BYTES.get(precision, 4) / work.activation_element_bytes
+    scale = element_bytes(precision).compute / work.activation_element_bytes
     forward = _compute(work.forward_flops * samples / t, work.forward_ops, machine, throughput)
     backward = _compute(work.backward_flops * samples / t, work.backward_ops, machine, throughput)
     redo = recomputed_blocks(config, len(work.block_forward_flops))
@@ -261,7 +258,7 @@ def data_parallel_collectives(
     if layout.dp == 1:
         return []
     elements, units, _ = _elements(params)
-    p = g = PARAM_BYTES.get(precision, 4)
+    p = g = element_bytes(precision).param
     N, R, m = layout.dp_shard, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
     link = functools.partial(group_link, layout, machine=machine, devices_per_node=devices_per_node)
     engine = layout.data_parallel
@@ -299,7 +296,7 @@ def optimizer_time(
     elements, _, tensors = _elements(params)
     if layout.zero >= 1 and layout.dp_shard > 1:
         elements = math.ceil(elements / layout.dp_shard)
-    p = g = PARAM_BYTES.get(precision, 4)
+    p = g = element_bytes(precision).param
     state = OPTIMIZER_STATE_TENSORS.get(optimizer, 2) * 4
     streamed = elements * (2 * p + g + 2 * state) / machine.memory_bandwidth
     dtensors = layout.data_parallel == "fsdp" or layout.tp > 1
@@ -323,7 +320,8 @@ def predict_step(
     optimizer: str = "adamw",
 ) -> StepTime:
     """The predicted step of ``layout`` (see the module docstring for every formula)."""
-    from lightning_par3d.planning.schedule import pipeline_actions, simulate
+    from lightning_par3d.pipeline.actions import pipeline_actions
+    from lightning_par3d.planning.schedule import simulate
 
     m = layout.microbatches if layout.pp > 1 else 1
     samples = rank_batch / m
@@ -345,7 +343,7 @@ def predict_step(
 
         def transfer(source: int, target: int) -> float:
             size = works[min(source, target)].output_bytes_per_sample * samples
-            size *= COMPUTE_BYTES.get(precision, 4) / works[min(source, target)].activation_element_bytes
+            size *= element_bytes(precision).compute / works[min(source, target)].activation_element_bytes
             link = _pp_link(layout, owner[source], owner[target], machine, devices_per_node)
             return send(size, link) + COLLECTIVE_CPU_OPS * machine.op_overhead_s
 

@@ -9,7 +9,7 @@ compares hundreds of layouts. Its result is made of three parts, and layouts sha
   gathers parameters in bf16, so autocast makes no copies of them); not on how the data-parallel ranks are split or
   on the ZeRO stage. :class:`MemoryModel` runs the estimator for the first layout of each such class;
 * **microbatches in flight**: the walk over torch's schedule order
-  (:func:`~lightning_par3d.planning.schedule.schedule_peak`, the estimator's rule), per layout;
+  (:func:`~lightning_par3d.pipeline.actions.schedule_peak`, the estimator's walk), per layout;
 * **model state**: the ZeRO formulas (:func:`~lightning_par3d.zero.formula.model_state_formula`, which the
   estimator calls) on each rank's tensor-parallel shapes (:func:`~lightning_par3d.planning.probe.stage_params`),
   per layout.
@@ -28,17 +28,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.config.schedules import V_SCHEDULES
+from lightning_par3d.distributed.fakeworld import forget_meshes, keep_excepthook
+from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.estimate import MemoryEstimate, RankEstimate, estimate_memory
-from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.pipeline.schedules import V_SCHEDULES
-from lightning_par3d.planning.fakeworld import forget_meshes, keep_excepthook
+from lightning_par3d.parallel.precision import element_bytes
+from lightning_par3d.pipeline.actions import pipeline_actions, schedule_peak
 from lightning_par3d.planning.probe import StageParams
-from lightning_par3d.planning.schedule import pipeline_actions, schedule_peak
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
-
-ELEMENT_BYTES = {"bf16-true": (2, 2, 2)}
-"""(parameter, gradient, optimizer state) element bytes where not (4, 4, 4): the ``-mixed`` modes keep fp32
-masters."""
 
 
 @dataclass
@@ -131,7 +128,8 @@ class MemoryModel:
             if layout.pp > 1
             else None
         )
-        param_b, grad_b, state_b = ELEMENT_BYTES.get(self.precision, (4, 4, 4))
+        sizes = element_bytes(self.precision)
+        param_b, grad_b, state_b = sizes.param, sizes.grad, sizes.state
         mesh = Par3DMesh(layout)
         rows = []
         for pp_rank in range(layout.pp):

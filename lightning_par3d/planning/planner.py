@@ -24,9 +24,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.distributed.fakeworld import check_no_process_group, keep_excepthook
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
 from lightning_par3d.planning.cost import predict_step
-from lightning_par3d.planning.fakeworld import check_no_process_group, keep_excepthook
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
 from lightning_par3d.planning.memory import MemoryModel
 from lightning_par3d.planning.probe import StageParams, StageWork, probe_layout, stage_params, stage_work

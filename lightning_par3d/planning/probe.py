@@ -9,7 +9,7 @@ Two probes, both on copies of the model that hold no storage:
   forward's FLOPs and ops (what activation checkpointing recomputes), and, for every module the tensor-parallel
   plan names, the bytes of its input and output (which size its collectives: :data:`STYLE_COLLECTIVES`);
 * :func:`stage_params` splits the model as a run does and applies the run's tensor-parallel plan
-  (:func:`~lightning_par3d.parallel.parallelize.parallelize_part`, the function a run and the memory estimator
+  (:func:`~lightning_par3d.compose.parallelize_part`, the function a run and the memory estimator
   call) over torch's fake process group, and reads each parameter's shape on tensor-parallel rank 0 (what the ZeRO
   formulas and the data-parallel collectives take), grouped into FSDP2's units (each block, then the rest).
 
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_par3d.config import Layout, Par3DConfig
-from lightning_par3d.parallel.styles import canonical
+from lightning_par3d.config.styles import canonical
 
 PROBE_BATCH = 2
 """Samples per probe run; FLOPs and bytes are divided by it (per sample)."""
@@ -149,7 +149,7 @@ def build_meta(module: nn.Module | Callable[[], nn.Module]) -> nn.Module:
 def probe_layout(pp: int, stages_per_rank: int, tp: int = 1, schedule: str | None = None) -> Layout:
     """A layout with these pipeline and tensor-parallel sizes and no data parallelism (what a stage's shapes and
     work depend on)."""
-    from lightning_par3d.pipeline.schedules import LOOP_SCHEDULES, SINGLE_STAGE_SCHEDULES
+    from lightning_par3d.config.schedules import LOOP_SCHEDULES, SINGLE_STAGE_SCHEDULES
 
     if schedule is None:
         schedule = SINGLE_STAGE_SCHEDULES[1] if stages_per_rank == 1 else LOOP_SCHEDULES[0]
@@ -169,7 +169,7 @@ class _Parts:
 
 def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> _Parts:
     """The model on meta, split into ``layout``'s stages by the run's own functions (the whole model for pp=1)."""
-    from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d import compose as build
     from lightning_par3d.parallel.data_parallel import find_blocks
     from lightning_par3d.pipeline.trunk import declared_pipeline
 
@@ -196,7 +196,7 @@ def plan_styles(root: nn.Module, config: Par3DConfig) -> dict[str, str]:
 def check_model(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> None:
     """par3d's own model checks for ``layout``'s pipeline and tensor-parallel sizes; raises their ``ValueError``
     (or ``TypeError``, for a module that does not declare its pipeline)."""
-    from lightning_par3d.parallel import parallelize as build
+    from lightning_par3d import compose as build
 
     parts = split(module, config, layout)
     build.checked_plan(parts.root, config, layout.tp)
@@ -248,8 +248,8 @@ def stage_work(
     """Each stage's FLOPs, ops, per-block recompute and tensor-parallel collectives; see the module docstring."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from lightning_par3d.compose import stage_styles
     from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
-    from lightning_par3d.parallel.parallelize import stage_styles
 
     parts = split(module, config, layout)
     styles = plan_styles(parts.root, config)
@@ -401,11 +401,11 @@ def stage_params(
     module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout, precision: str
 ) -> list[StageParams]:
     """Each stage's parameter shapes on tensor-parallel rank 0 and its FSDP2 units (see the module docstring)."""
-    from lightning_par3d.parallel import parallelize as build
-    from lightning_par3d.parallel.groups import fake_group
-    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d import compose as build
+    from lightning_par3d.distributed.fakeworld import fake_world
+    from lightning_par3d.distributed.groups import fake_group
+    from lightning_par3d.distributed.mesh import Par3DMesh
     from lightning_par3d.parallel.tensor_parallel import local_tensor
-    from lightning_par3d.planning.fakeworld import fake_world
 
     plain = dataclasses.replace(config, activation_checkpointing="none")
     parts = split(module, plain, layout)

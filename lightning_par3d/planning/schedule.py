@@ -1,10 +1,7 @@
 """A pipeline schedule's timing, from the action order torch's own schedule class gives.
 
-:func:`pipeline_actions` builds the torch schedule that a run builds (:func:`lightning_par3d.pipeline.runner.
-torch_schedule`) over placeholder stages in a fake process group, and reads its ``pipeline_order``: per pipeline
-rank, the forward (``F``), full backward (``B``), input-gradient (``I``) and weight-gradient (``W``) actions in the
-order the rank runs them. The memory estimator walks the same order to count microbatches in flight
-(:func:`schedule_peak` repeats its rule); :func:`simulate` gives the same order durations and dependencies:
+Each pipeline rank's actions come from :func:`lightning_par3d.pipeline.actions.pipeline_actions` (torch's own
+schedule, the order the memory estimator walks too); :func:`simulate` gives that order durations and dependencies:
 
 * ``F(s, k)`` starts after ``F(s−1, k)`` has ended and its output has reached stage ``s``;
 * ``B(s, k)`` and ``I(s, k)`` start after ``F(s, k)`` and after the input gradient of ``(s+1, k)`` (from its ``B``
@@ -19,99 +16,10 @@ time, 1F1B and GPipe give the textbook ``(p−1)/(m+p−1)`` of the makespan (:f
 
 from __future__ import annotations
 
-import functools
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from lightning_par3d.config import Par3DConfig, resolve_layout
-from lightning_par3d.memory.estimate import flatten_actions
-from lightning_par3d.planning.fakeworld import fake_world
-
-COMPUTE_KINDS = ("F", "B", "I", "W")
-"""The action kinds that compute; torch's other kinds (gradient reduction, sends, unshard) are left out."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One computation of a pipeline rank: ``kind`` (F, B, I or W) of ``microbatch`` on global stage ``stage``."""
-
-    stage: int
-    kind: str
-    microbatch: int
-
-
-@functools.cache
-def pipeline_actions(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> dict[int, tuple[Action, ...]]:
-    """Per pipeline rank, the compute actions of torch's schedule, in its order.
-
-    Overlapped pairs (DualPipeV's ``OVERLAP_F_B``) are taken apart in their order. torch 2.13's ``Schedule1F1B``
-    numbers the last rank's forwards 1…m instead of 0…m−1 in its ``pipeline_order`` (its step runs them right); a
-    stage whose forwards (or input-gradient passes) do not number 0…m−1 is renumbered in its order, which is what
-    its step runs.
-    """
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage
-
-    from lightning_par3d.pipeline.runner import torch_schedule
-
-    config = Par3DConfig(
-        pp=pp, pipeline_schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches, dp_shard=1
-    )
-    layout = resolve_layout(config, pp)
-    assert layout is not None
-    import torch
-
-    with fake_world(pp):
-        stages = [
-            PipelineStage(nn.Identity(), i, layout.n_stages, torch.device("cpu")) for i in layout.stage_indices(0)
-        ]
-        order = torch_schedule(layout, stages, _no_loss).pipeline_order
-    if order is None:
-        raise RuntimeError(f"torch's schedule for {schedule!r} gives no pipeline_order to time.")
-    return {rank: tuple(_renumbered(list(_compute_actions(actions)), microbatches)) for rank, actions in order.items()}
-
-
-def _no_loss(outputs: Any, targets: Any) -> Any:
-    return outputs
-
-
-def _compute_actions(actions: Sequence[object]) -> Iterator[Action]:
-    for action in flatten_actions(actions):
-        kind = str(action.computation_type.value)
-        if kind in COMPUTE_KINDS:
-            yield Action(int(action.stage_index), kind, int(action.microbatch_index))
-
-
-def _renumbered(actions: list[Action], microbatches: int) -> list[Action]:
-    """Renumbers, per stage, the forwards (and the input-gradient passes, ``B`` and ``I`` together) in their order
-    where their numbers are not 0…m−1."""
-    families = {"F": "F", "B": "G", "I": "G"}
-    by_family: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for i, action in enumerate(actions):
-        if action.kind in families:
-            by_family[(action.stage, families[action.kind])].append(i)
-    fixed = list(actions)
-    for positions in by_family.values():
-        numbers = sorted(actions[i].microbatch for i in positions)
-        if numbers != list(range(microbatches)):
-            for k, i in enumerate(positions):
-                fixed[i] = Action(actions[i].stage, actions[i].kind, k)
-    return fixed
-
-
-def schedule_peak(actions: Sequence[Action], per_microbatch: dict[int, int]) -> tuple[int, int]:
-    """The estimator's walk over one rank's actions: a forward adds its stage's bytes, a full backward (or, in the
-    zero-bubble schedules, the weight-gradient pass) releases them. Returns (peak bytes, peak count in flight)."""
-    live = peak = count = peak_count = 0
-    for action in actions:
-        if action.kind == "F":
-            live, count = live + per_microbatch[action.stage], count + 1
-        elif action.kind in ("B", "W"):
-            live, count = live - per_microbatch[action.stage], count - 1
-        peak, peak_count = max(peak, live), max(peak_count, count)
-    return peak, peak_count
+from lightning_par3d.pipeline.actions import Action, pipeline_actions
 
 
 @dataclass(frozen=True)
@@ -212,7 +120,7 @@ def schedule_bubble(
     """The idle share of the busiest pipeline rank's step, for equal stages (each ``forward`` and ``backward`` long
     per microbatch, split into input and weight gradients by ``input_grad_share``) and free transfers. For 1F1B and
     GPipe this is ``(p−1)/(m+p−1)``."""
-    from lightning_par3d.pipeline.schedules import stages_per_rank
+    from lightning_par3d.config.schedules import stages_per_rank
 
     per_rank = stages_per_rank(schedule, virtual_stages)
     actions = pipeline_actions(schedule, pp, virtual_stages, microbatches)

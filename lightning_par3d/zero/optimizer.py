@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_par3d.parallel.tensor_parallel import local_tensor, match_param_layout
-from lightning_par3d.torch_private import queue_end_of_backward, strided_shard
+from lightning_par3d.utils.torch_private import queue_end_of_backward, strided_shard
 from lightning_par3d.zero.buckets import (
     Bucket,
     ParamShard,
@@ -54,7 +54,7 @@ from lightning_par3d.zero.state import ZeroStateDicts
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d.distributed.mesh import Par3DMesh
 
 ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
     torch.optim.SGD,
@@ -261,7 +261,7 @@ class ZeroOptimizer(ZeroStateDicts, Optimizer):
     # ---------------------------------------------------------------- clipping
     def shard_grads(self) -> list[Tensor]:
         """Stage 2: each owned rows' gradient as a DTensor over ``(dp_replicate, dp_shard, tp)``, whose norm
-        DTensor reduces over every rank that holds a piece (``lightning_par3d.parallel.gradients`` takes it from
+        DTensor reduces over every rank that holds a piece (``lightning_par3d.distributed.gradients`` takes it from
         there)."""
         return [
             self._as_dtensor(shard, shard.tensor.grad)

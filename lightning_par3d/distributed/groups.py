@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from lightning_par3d.config import Layout
-from lightning_par3d.parallel.mesh import Par3DMesh
-from lightning_par3d.torch_private import default_store, set_default_group_timeout
+from lightning_par3d.distributed.mesh import Par3DMesh
+from lightning_par3d.utils.torch_private import default_store, set_default_group_timeout
 
 JOIN_TIMEOUT_FLOOR_S = 300.0
 """The least time the processes get to find each other when the default group is created. Joining waits for every

@@ -1,7 +1,7 @@
-"""``python -m lightning_par3d.transformers``: a par3d checkpoint of a Hugging Face transformers model → a
-``save_pretrained`` directory, offline (no processes, no GPU), from a checkpoint saved at any layout::
+"""``par3d export-hf``: a par3d checkpoint of a Hugging Face transformers model → a ``save_pretrained`` directory,
+offline (no processes, no GPU), from a checkpoint saved at any layout.
 
-    python -m lightning_par3d.transformers checkpoints/last.ckpt exported/ --config path/to/config_dir
+    par3d export-hf outputs/<date>/<time>/checkpoints/last.ckpt exported/ --config path/to/config_dir
 
 ``--config`` is a directory holding the model's ``config.json`` (the one the run started from). ``--key`` is the
 checkpoint entry holding the model: ``state_dict`` for the Trainer (the default), the key you saved under for
@@ -14,11 +14,15 @@ import argparse
 import sys
 
 from lightning_par3d.checkpoint.hf import convert_checkpoint
+from lightning_par3d.tools.loading import example_of
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_par3d.transformers", description=__doc__.split("::")[0].strip()
+        prog="par3d export-hf",
+        description=__doc__.split("\n\n")[0],
+        epilog=example_of(__doc__) + "\n\n" + __doc__.split("\n\n")[2].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="a par3d checkpoint directory (Trainer, Fabric or Accelerate)")
     parser.add_argument("out", help="the save_pretrained directory to write")

@@ -17,7 +17,7 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
-from lightning_par3d.torch_private import default_store
+from lightning_par3d.utils.torch_private import default_store
 
 FIRST_FAILURE = "par3d/first_failure"
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")

@@ -134,7 +134,7 @@ def clear_sharding_propagation_cache() -> None:
 
 
 def skip_pipeline_metadata_vote() -> None:
-    """For the dry run's own process only (:mod:`lightning_par3d.planning.dry_run`, a fresh interpreter over the
+    """For the dry run's own process only (:mod:`lightning_par3d.tools.dry_run`, a fresh interpreter over the
     fake backend): torch 2.13's pipeline schedules decide between static and dynamic stage metadata by a vote passed
     from stage to stage over P2P (``_PipelineSchedule._warmup_p2p``), which the fake backend cannot carry (a receive
     leaves its buffer as it was, so every vote reads "dynamic" and the stages then wait for shapes no peer sends).

@@ -3,7 +3,7 @@
 :class:`Par3DMesh` answers layout questions (a rank's coordinates, the ranks of its groups, its pipeline neighbours)
 with plain arithmetic, so it works and is tested without processes. :meth:`Par3DMesh.build` adds the real
 ``DeviceMesh`` once the default process group exists, from process groups that
-:mod:`lightning_par3d.parallel.groups` owns (one per set of ranks, shared by every layout that has it, each with the
+:mod:`lightning_par3d.distributed.groups` owns (one per set of ranks, shared by every layout that has it, each with the
 configured collective timeout) through torch's public ``DeviceMesh.from_group``; the flattened ``dp`` group too.
 """
 
@@ -123,7 +123,7 @@ class Par3DMesh:
     def build(cls, layout: Layout, device_type: str, group_of: Callable[[list[int]], Any]) -> Par3DMesh:
         """Creates the ``DeviceMesh`` and the flattened ``dp`` mesh over the initialized default group.
 
-        ``group_of(ranks)`` gives the process group of a set of ranks (:func:`lightning_par3d.parallel.groups.
+        ``group_of(ranks)`` gives the process group of a set of ranks (:func:`lightning_par3d.distributed.groups.
         group_of` creates it once and keeps it). Every rank calls it for every group of the layout, its own or not,
         in the same order, as torch's ``new_group`` needs; the mesh holds the ones this rank belongs to."""
         import torch

@@ -1,4 +1,8 @@
-"""The command line: ``python -m lightning_par3d.plan --module examples.gpt:GPTModule --world-size 8 ...``.
+"""``par3d plan``: which layout to train with, ranked for a world of devices before anything is launched.
+
+    par3d plan --model-config conf/model/gpt.yaml --world-size 8 --batch 32 --seq 64
+    par3d plan --module examples.gpt:GPTModule --model-arg n_layer=8 --world-size 16 --devices-per-node 8 \\
+        --memory 80GiB --batch 64 --seq 1024 --profile h100-sxm-8 --fixed tp=2 --plot plan.png
 
 It builds the LightningModule from a class (``--module package.module:Class``, from the working directory too, with
 ``--model-arg key=value`` arguments) or from a Hydra model config (``--model-config conf/model/gpt.yaml``: its
@@ -12,87 +16,25 @@ predicted steps. The machine is a named profile (``--profile``, default ``h100-s
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
-import os
 import sys
 import time
 from typing import Any
 
 from lightning_par3d.planning.candidates import FIXED_KEYS, SearchSpace
-
-
-def _pairs(values: list[str], what: str) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for item in values:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{what} {item!r}: write key=value (e.g. tp=2).")
-        try:
-            result[key.strip()] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            result[key.strip()] = raw.strip()
-    return result
+from lightning_par3d.tools.loading import build_model, describe_model, example_of, parse_pairs
 
 
 def _csv(text: str, cast: Any = str) -> tuple[Any, ...]:
     return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
 
 
-def load_module(spec: str, arguments: dict[str, Any]) -> Any:
-    """``package.module:Class`` imported (the working directory first on the path) and built with ``arguments``."""
-    path, sep, name = spec.partition(":")
-    if not sep or not path or not name:
-        raise SystemExit(f"--module {spec!r}: write package.module:Class, e.g. examples.gpt:GPTModule.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        owner = importlib.import_module(path)
-    except ImportError as error:
-        raise SystemExit(
-            f"--module {spec!r}: cannot import {path!r} ({error}). Run from the project's directory."
-        ) from None
-    built = getattr(owner, name, None)
-    if built is None:
-        raise SystemExit(f"--module {spec!r}: {path} has no {name!r}.")
-    return built(**arguments)
-
-
-def load_model_config(path: str, arguments: dict[str, Any]) -> Any:
-    """The model a Hydra model config (``_target_`` and arguments, e.g. ``conf/model/gpt.yaml``) describes, with
-    ``arguments`` overriding its values, built as the Hydra app builds it."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    if not os.path.isfile(path):
-        raise SystemExit(f"--model-config {path!r}: no such file (a Hydra model config, e.g. conf/model/gpt.yaml).")
-    config = OmegaConf.merge(OmegaConf.load(path), OmegaConf.create(arguments))
-    if "_target_" not in config:
-        raise SystemExit(f"--model-config {path!r} has no _target_: it must name the model class, as Hydra's do.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return instantiate(config)
-
-
-def describe_model(module: Any) -> str:
-    """``examples.gpt.GPTModule: 0.85 M parameters, 4 blocks (transformer.h: Block)``: the model as built (on the
-    meta device, no memory), for a person to check that the planner plans the model they mean."""
-    from lightning_par3d.patterns import repeated_members
-    from lightning_par3d.planning.probe import build_meta
-
-    built = build_meta(module)
-    params = sum(p.numel() for p in built.parameters())
-    containers = [(name, members) for name, sub in built.named_modules() if (members := repeated_members(sub))]
-    blocks = ", ".join(f"{name}: {len(members)} × {type(members[0]).__name__}" for name, members in containers)
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}: {params / 1e6:,.2f} M parameters; blocks: {blocks or 'none found'}"
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_par3d.plan",
+        prog="par3d plan",
         description="Rank every par3d layout of a model on a world of devices: memory per rank (the estimator's) "
         "and predicted step time (compute, tensor-parallel comm, data-parallel comm, pipeline bubble).",
+        epilog=example_of(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--module", help="the LightningModule class, package.module:Class")
@@ -126,14 +68,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from lightning_par3d.planning.calibrate import calibrate
     from lightning_par3d.planning.planner import DEFAULT_MACHINE, plan
-    from lightning_par3d.planning.plot import plot
 
     args = parser().parse_args(argv)
-    arguments = _pairs(args.model_arg, "--model-arg")
-    if args.model_config:
-        module = load_model_config(args.model_config, arguments)
-    else:
-        module = load_module(args.module, arguments)
+    try:
+        module = build_model(args.module, args.model_config, parse_pairs(args.model_arg, "--model-arg"))
+        fixed = parse_pairs(args.fixed, "--fixed")
+    except ValueError as error:
+        print(f"par3d plan: bad input: {error}", file=sys.stderr)
+        return 2
     print(f"model: {describe_model(module)}", flush=True)
     space: dict[str, Any] = {}
     if args.ac:
@@ -161,17 +103,27 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq,
             precision=args.precision,
             machine=machine,
-            fixed=_pairs(args.fixed, "--fixed"),
+            fixed=fixed,
             search=SearchSpace(**space),
             optimizer=args.optimizer,
         )
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"par3d plan: bad input: {error}", file=sys.stderr)
         return 2
-    print(table.to_markdown(top=args.top, group_rejected=not args.all_rejected))
-    best = table.best
-    settings = ", ".join(f"{k}={v!r}" for k, v in best.strategy_arguments().items())
-    print(f"\nbest: Par3DStrategy({settings})  # {best.describe()}")
-    if args.plot:
-        print(f"plot: {plot(table, args.plot, top=args.top)}")
+    print_plan(table, top=args.top, group_rejected=not args.all_rejected, plot_to=args.plot)
     return 0
+
+
+def print_plan(table: Any, top: int, group_rejected: bool = True, plot_to: str | None = None) -> None:
+    """Prints a plan as ``par3d plan`` does: the ranked table, the best layout as strategy arguments (for Python and
+    for the Hydra app), and, with ``plot_to``, where the plot was drawn."""
+    from lightning_par3d.planning.plot import plot
+
+    print(table.to_markdown(top=top, group_rejected=group_rejected))
+    best = table.best
+    arguments = best.strategy_arguments()
+    settings = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+    print(f"\nbest: Par3DStrategy({settings})  # {best.describe()}")
+    print("  as Hydra overrides: " + " ".join(f"strategy.{k}={v}" for k, v in arguments.items()))
+    if plot_to:
+        print(f"plot: {plot(table, plot_to, top=top)}")

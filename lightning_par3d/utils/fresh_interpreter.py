@@ -6,13 +6,13 @@ process that shares nothing of the caller's torch state (no process group, DTens
 the function returned, or raises what it raised (the same exception type, with the child's traceback as a note).
 
 **Where the call runs.** On Linux, in a fork of a *clean server*: an interpreter (``python -m
-lightning_par3d.fresh_interpreter --serve``) that the caller starts at its first call, which imports torch, par3d's
-engine and, where the caller has them, Lightning and transformers, and then does nothing but fork one child per call.
-The server never runs torch code, starts no process group and initialises no GPU, so each child begins as a fresh
-interpreter would, less the imports (about 6 s of CPU on a small machine, and most of a call's cost: a dry run of
-a pipeline runs one call per stage). The server lives as long as the caller (it ends with it) and is started again if
-it died. Elsewhere (macOS, Windows: no safe ``fork``), each call runs ``python -m lightning_par3d.fresh_interpreter
-REQUEST RESULT``.
+lightning_par3d.utils.fresh_interpreter --serve``) that the caller starts at its first call, which imports torch,
+par3d's engine and, where the caller has them, Lightning and transformers, and then does nothing but fork one child
+per call. The server never runs torch code, starts no process group and initialises no GPU, so each child begins as
+a fresh interpreter would, less the imports (about 6 s of CPU on a small machine, and most of a call's cost: a dry run
+of a pipeline runs one call per stage). The server lives as long as the caller (it ends with it) and is started again
+if it died. Elsewhere (macOS, Windows: no safe ``fork``), each call runs ``python -m
+lightning_par3d.utils.fresh_interpreter REQUEST RESULT``.
 
 A class defined in the script being run (``__main__``, the usual place for a training script's LightningModule) or
 inside a function travels by value; a class of an importable module by name (the child gets the caller's
@@ -42,7 +42,7 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
 """Left out of the child's environment: it is no rank of the caller's job."""
 _STDERR_LINES = 20
 """The child's last lines of error output repeated in the error raised when it ends without a result."""
-_MODULE = "lightning_par3d.fresh_interpreter"
+_MODULE = "lightning_par3d.utils.fresh_interpreter"
 _PRELOAD = ("torch", "torch.distributed.tensor", "cloudpickle", "lightning_par3d.engine")
 """What the server imports for every call."""
 _PRELOAD_IF_LOADED = ("lightning", "transformers")

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lightning_par3d.torch_private import clear_sharding_propagation_cache
+from lightning_par3d.utils.torch_private import clear_sharding_propagation_cache
 
 
 def check_no_process_group(what: str) -> None:

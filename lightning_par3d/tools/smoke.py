@@ -1,9 +1,9 @@
-"""``python -m lightning_par3d.smoke``: a few training steps of your own model at a par3d layout, checked against
-pure data parallelism over the same ranks, for CI.
+"""``par3d smoke``: a few training steps of your own model at a par3d layout, checked against pure data parallelism
+over the same ranks, for CI.
 
-    python -m lightning_par3d.smoke --module pkg.mod:MyModule --data pkg.data:MyDataModule \\
-        --layout pp=2,dp_shard=2,tp=2 --steps 5 [--precision bf16-mixed] [--devices 8] [--out smoke]
-    torchrun --nproc-per-node 8 -m lightning_par3d.smoke --module ... --layout ...   # one rank per GPU
+    par3d smoke --module examples.gpt:GPTModule --data examples.data:ShakespeareDataModule \\
+        --layout dp_shard=2,tp=2 --devices 4 --accelerator cpu --steps 5 --out smoke
+    torchrun --nproc-per-node 8 -m lightning_par3d smoke --module ... --layout ...   # one rank per GPU
 
 It trains the LightningModule (``--module``, built with ``--module-arg key=value``) on the LightningDataModule
 (``--data``, built with ``--data-arg key=value`` and ``batch_size`` = the global batch over the data-parallel
@@ -30,7 +30,6 @@ says which and by how much), 2 for bad input (named before any process is starte
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -39,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from lightning_par3d.tools.loading import example_of, load_object, parse_pairs
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -49,24 +50,11 @@ RTOL = {"32-true": 1e-4, "bf16-mixed": 2e-2, "16-mixed": 2e-2, "bf16-true": 5e-2
 # ---------------------------------------------------------------- input
 
 
-def parse_pairs(text: str, what: str) -> dict[str, Any]:
-    """``"pp=2,dp_shard=2,tp=2"`` (or repeated ``key=value`` items) as a dict of Python values."""
-    pairs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"{what} {item!r}: write key=value, e.g. tp=2.")
-        try:
-            pairs[key.strip()] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            pairs[key.strip()] = raw.strip()
-    return pairs
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_par3d.smoke",
+        prog="par3d smoke",
         description=__doc__.split("\n\n")[0],
+        epilog=example_of(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--module", required=True, help="the LightningModule, package.module:Class")
@@ -84,23 +72,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="par3d's collective timeout")
     p.add_argument("--out", default="smoke", help="the folder for result.json")
     return p
-
-
-def _load(spec: str, what: str) -> Any:
-    import importlib
-
-    path, sep, name = spec.partition(":")
-    if not sep or not path or not name:
-        raise ValueError(f"{what} {spec!r}: write package.module:Class, e.g. examples.gpt:GPTModule.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        found = getattr(importlib.import_module(path), name, None)
-    except ImportError as error:
-        raise ValueError(f"{what} {spec!r}: cannot import {path!r} ({error}).") from None
-    if found is None:
-        raise ValueError(f"{what} {spec!r}: {path} has no {name!r}.")
-    return found
 
 
 def plan_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,8 +98,8 @@ def plan_of(args: argparse.Namespace) -> dict[str, Any]:
             )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
     return dict(
-        module=_load(args.module, "--module"), module_args=parse_pairs(",".join(args.module_arg), "--module-arg"),
-        data=_load(args.data, "--data"), data_args=parse_pairs(",".join(args.data_arg), "--data-arg"),
+        module=load_object(args.module, "--module"), module_args=parse_pairs(args.module_arg, "--module-arg"),
+        data=load_object(args.data, "--data"), data_args=parse_pairs(args.data_arg, "--data-arg"),
         settings=settings, layout=layout, world=world, batch=batch, accelerator=accelerator, devices=local,
         nodes=world // local, rtol=args.rtol or RTOL.get(args.precision, 2e-2),
     )  # fmt: skip
@@ -260,7 +231,7 @@ def smoke(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_par3d.console import quiet_known_upstream_warnings
+    from lightning_par3d.utils.console import quiet_known_upstream_warnings
 
     args = parser().parse_args(argv)
     quiet_known_upstream_warnings()

@@ -1,7 +1,7 @@
 """``dry_run(...)``: the whole training step of chosen ranks of an N-rank layout, each in a process of its own on
 this machine, over torch's fake process group.
 
-Each chosen rank runs in a fresh interpreter (:mod:`lightning_par3d.fresh_interpreter`) that joins a fake world of
+Each chosen rank runs in a fresh interpreter (:mod:`lightning_par3d.utils.fresh_interpreter`) that joins a fake world of
 ``world_size`` processes as that rank (``init_process_group("fake", rank=r, world_size=N)``: collectives and
 pipeline sends move nothing and return at once). There it does what the rank of a real run does, through the same
 engine:
@@ -128,7 +128,7 @@ def dry_run(
     The configuration is checked here first (its usual errors). An error in a rank's run is raised again here, of
     its own type, with a note naming the rank.
     """
-    from lightning_par3d.fresh_interpreter import call
+    from lightning_par3d.utils.fresh_interpreter import call
 
     layout = resolve_layout(config, world_size)
     assert layout is not None
@@ -231,7 +231,7 @@ def _build(
     from lightning_par3d.parallel.precision import autocast as autocast_for
     from lightning_par3d.pipeline.runner import STATIC_STAGE_IO
     from lightning_par3d.pipeline.trunk import install_loss
-    from lightning_par3d.torch_private import skip_pipeline_metadata_vote
+    from lightning_par3d.utils.torch_private import skip_pipeline_metadata_vote
 
     if not isinstance(module, nn.Module):
         if loss_fn is None:

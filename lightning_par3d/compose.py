@@ -28,12 +28,12 @@ from torch import nn
 
 from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
 from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
-from lightning_par3d.parallel.compression import Compression
+from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
 from lightning_par3d.parallel.materialize import BuildState, capture_rank0_state, materialize, sync_rng_from_rank0
-from lightning_par3d.parallel.mesh import Par3DMesh
 from lightning_par3d.parallel.metric_state import detach_metrics, metrics_in, reattach_metrics, snapshot
 from lightning_par3d.parallel.precision import fsdp_mixed_precision
 from lightning_par3d.parallel.tensor_parallel import (
@@ -133,7 +133,7 @@ def parallelize(
     )
     runner = build_runner(stage_modules, mesh, device) if stage_modules else None
     forward_module = (
-        replicate_with_ddp(module, mesh, device, _compression(config)) if layout.data_parallel == "ddp" else module
+        replicate_with_ddp(module, mesh, device, compression_of(config)) if layout.data_parallel == "ddp" else module
     )
     return ParallelizeResult(forward_module, runner, spec, report)
 
@@ -271,12 +271,6 @@ def _materialize(
             for name, buf in sub._buffers.items():
                 if buf is not None:
                     sub._buffers[name] = buf.to(device)
-
-
-def _compression(config: Par3DConfig) -> Compression | None:
-    if config.grad_compression is None:
-        return None
-    return Compression(config.grad_compression, config.powersgd_rank, config.powersgd_start_iter)
 
 
 def checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, str]:

@@ -20,7 +20,7 @@ from lightning_par3d.config import Layout
 def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int) -> bool:
     """Whether any ``group`` (a mesh dimension, or ``dp``) of the mesh ``shape`` (pp, dp_replicate, dp_shard, tp)
     holds ranks of two nodes of ``devices_per_node`` ranks each."""
-    from lightning_par3d.parallel.mesh import Par3DMesh
+    from lightning_par3d.distributed.mesh import Par3DMesh
 
     pp, dp_replicate, dp_shard, tp = shape
     mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))

@@ -1,5 +1,8 @@
 """Registering ``"par3d"`` with Lightning's Trainer and Fabric, without importing Lightning before its user does.
 
+This module sits above the front-ends (it imports them once Lightning is there); the front-ends register themselves
+through :mod:`lightning_par3d.integrations.registry`, which imports neither, so no import goes round in a circle.
+
 ``import lightning_par3d`` must make ``Trainer(strategy="par3d")`` and ``Fabric(strategy="par3d")`` work, and
 ``import lightning_par3d.engine`` (a plain torch loop, Accelerate) must not import Lightning at all: importing it
 takes seconds. Lightning has no entry point for strategies, so :func:`register_when_lightning_loads` registers at
@@ -19,31 +22,13 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-DESCRIPTION = "par3d: data (ZeRO 0-3, HSDP) × tensor (DTensor) × pipeline parallel, from one config"
-
 
 def register() -> None:
     """Imports the Trainer and Fabric strategies (and with them Lightning); each registers itself at the end of its
-    module (:func:`register_trainer_strategy`, :func:`register_fabric_strategy`). A module that is importing right
-    now (it imported Lightning, which brought us here) registers when it finishes."""
-    importlib.import_module("lightning_par3d.integrations.trainer")
-    importlib.import_module("lightning_par3d.integrations.fabric")
-
-
-def register_trainer_strategy(strategy: type) -> None:
-    """``Trainer(strategy="par3d")`` → ``strategy``, unless "par3d" is taken already."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    if "par3d" not in StrategyRegistry:
-        StrategyRegistry.register("par3d", strategy, description=DESCRIPTION)
-
-
-def register_fabric_strategy(strategy: type) -> None:
-    """``Fabric(strategy="par3d")`` → ``strategy``, unless "par3d" is taken already."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    if "par3d" not in STRATEGY_REGISTRY:
-        STRATEGY_REGISTRY.register("par3d", strategy, description=DESCRIPTION)
+    module (:mod:`lightning_par3d.integrations.registry`). A module that is importing right now (it imported
+    Lightning, which brought us here) registers when it finishes."""
+    import lightning_par3d.integrations.fabric
+    import lightning_par3d.integrations.trainer  # noqa: F401
 
 
 def register_when_lightning_loads() -> None:
