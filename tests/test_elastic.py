@@ -293,12 +293,14 @@ too_small_run = background.fixture("too_small_run", too_small)
 
 
 @pytest.mark.dist
-def test_a_world_too_small_for_the_fixed_sizes_ends_every_rank_with_the_reason(too_small_run):
+def test_a_world_too_small_for_the_fixed_sizes_ends_the_job_with_the_reason(too_small_run):
     from tests.elastic_script import TIMEOUT_S
 
     assert too_small_run["code"] != 0
     message = "elastic: a world of 2 ranks cannot keep pp=1 × tp=4 = 4, which must divide the world size"
-    assert too_small_run["out"].count(message) >= 2, too_small_run["out"][-3000:]  # every rank says why
+    # The reason, before any process group exists. (Each rank raises it; torchrun's agent stops the other worker as
+    # soon as one has failed, so under a busy suite the second may be stopped before it prints.)
+    assert message in too_small_run["out"], too_small_run["out"][-3000:]
     starts = [e for e in too_small_run["events"] if e["event"] == "script_start"]
     assert len(starts) == 2
     # From the ranks' start (their imports done: under a busy test suite, imports alone can take most of a minute)

@@ -308,7 +308,7 @@ def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
     """From the Hydra app's model config (its arguments overridden), saying which model it built."""
     png = tmp_path / "plan.png"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_par3d.plan", "--model-config", "conf/model/gpt.yaml",
+        [sys.executable, "-m", "lightning_par3d", "plan", "--model-config", "conf/model/gpt.yaml",
          "--model-arg", "n_layer=2", "--model-arg", "n_embd=32", "--model-arg", "block_size=32",
          "--world-size", "4", "--devices-per-node", "4", "--memory", "1GiB", "--batch", "16", "--seq", "32",
          "--profile", "a100-sxm4-8", "--fixed", "tp=2", "--plot", str(png)],
@@ -328,7 +328,7 @@ def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
 
 def test_command_line_refuses_bad_input_with_the_reason():
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_par3d.plan", "--module", "examples.gpt:GPTModule", "--world-size", "8",
+        [sys.executable, "-m", "lightning_par3d", "plan", "--module", "examples.gpt:GPTModule", "--world-size", "8",
          "--batch", "16", "--seq", "32", "--fixed", "tp=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -336,10 +336,10 @@ def test_command_line_refuses_bad_input_with_the_reason():
     assert "fixed tp=3 does not divide the world size 8" in done.stderr
 
 
-def test_the_plan_module_is_callable_as_the_function():
-    import lightning_par3d.plan as plan_module
+def test_the_package_exports_the_plan_function():
+    import lightning_par3d
 
-    table = plan_module(GPTModule(**MODEL), 2, 2, "1GiB", global_batch=4, seq_len=SEQ, fixed={"tp": 2})
+    table = lightning_par3d.plan(GPTModule(**MODEL), 2, 2, "1GiB", global_batch=4, seq_len=SEQ, fixed={"tp": 2})
     assert table.best.layout.tp == 2
 
 

@@ -1,0 +1,112 @@
+"""When a rank fails: which rank failed first, why, and where every rank was.
+
+Every rank notes the step it is starting in the default group's key-value store (one small write per step). When
+a rank raises (a collective that timed out included), :func:`describe_failure` records the failure there (the first
+rank to record one wins), and writes for a person which rank failed first and why, and, for a timeout, how far
+each rank had come, which names the rank that stalled. The store calls on this path use a short timeout: the
+store's host (rank 0) may be the rank that died.
+
+A job prints its cause once: :func:`failed_first` tells the front-ends whether this rank's failure is the one the
+store recorded first, and only that rank prints; the others end quietly (their failures are consequences, or the
+same error again), unless the store cannot say (rank 0, its host, died), when each prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+from lightning_par3d.utils.torch_private import default_store
+
+FIRST_FAILURE = "par3d/first_failure"
+_SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
+"""Words (lower case) of the errors a collective raises when another rank stalled or died."""
+_MORE_LINES = 40
+"""At most this many further lines of an error's message are repeated in the failure message."""
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def note_step(rank: int, step: int) -> None:
+    """Records that ``rank`` is starting ``step`` (read only when something fails)."""
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"par3d/step/{rank}", str(step))
+
+
+def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s: float) -> str:
+    """Records ``rank``'s failure and returns a message naming the rank that failed first, why, and (for a
+    collective that timed out or lost a peer) the step each rank had started."""
+    detail = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {detail[0] if detail else ''}"
+    lines = [f"par3d: rank {rank} failed: {text[:500]}"]
+    # The rest of the error (a list of problems, say) too: Lightning's launcher may kill this process (SIGKILL, once
+    # it sees a rank it launched end) before the traceback is printed, and then this message is all a person sees.
+    rest = [f"    {line[:500]}" for line in detail[1:] if line.strip()]
+    lines += rest[:_MORE_LINES] + ([f"    … ({len(rest) - _MORE_LINES} more lines)"] if len(rest) > _MORE_LINES else [])
+    store = _store()
+    first = None
+    if store is not None:
+        try:
+            store.set_timeout(timedelta(seconds=5))
+            first = store.compare_set(FIRST_FAILURE, "", f"{rank}|{text[:500]}").decode()
+        except Exception:
+            store = None
+            lines.append("  The key-value store hosted by rank 0 does not answer: rank 0 has probably died.")
+    if first and not first.startswith(f"{rank}|"):
+        other, _, why = first.partition("|")
+        lines.append(f"  rank {other} failed first: {why}")
+    if any(word in text.lower() for word in _SIGNS_OF_A_LOST_PEER):
+        lines.append(
+            f"  A collective timed out (timeout_s={timeout_s:g}) or lost a peer: another rank stopped responding "
+            "(stalled, deadlocked, or died)."
+        )
+        steps = _steps(store, world_size)
+        if steps:
+            behind = min(steps.values())
+            laggards = [r for r, s in steps.items() if s == behind]
+            listing = ", ".join(f"rank {r}: {s}" for r, s in sorted(steps.items()))
+            if len(laggards) < len(steps):
+                lines.append(f"  Step each rank started: {listing}. Behind: rank(s) {laggards}.")
+            else:
+                lines.append(f"  Every rank started step {behind}.")
+    lines.append("  Ending the whole job (every local rank), so that no process is left waiting.")
+    return "\n".join(lines)
+
+
+def failed_first(rank: int) -> bool:
+    """Whether ``rank``'s failure is the first one recorded in the job (True too when no store can tell: then every
+    failing rank speaks for itself)."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        if not store.check([FIRST_FAILURE]):
+            return True
+        return bool(store.get(FIRST_FAILURE).decode().startswith(f"{rank}|"))
+    except Exception:
+        return True
+
+
+def _steps(store: Any, world_size: int) -> dict[int, int]:
+    if store is None:
+        return {}
+    steps = {}
+    for rank in range(world_size):
+        with contextlib.suppress(Exception):
+            key = f"par3d/step/{rank}"
+            if store.check([key]):
+                steps[rank] = int(store.get(key).decode())
+    return steps

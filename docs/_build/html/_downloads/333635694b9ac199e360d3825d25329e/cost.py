@@ -1,0 +1,384 @@
+"""The cost model: a layout's predicted step time, split into compute, tensor-parallel communication,
+data-parallel communication and the pipeline bubble.
+
+Notation: ``b`` samples per microbatch (the per-rank batch over ``m`` microbatches; ``m = 1`` without pipelining),
+``t = tp``, ``N = dp_shard``, ``R = dp_replicate``, ``F`` the machine's matmul FLOP/s for the precision, ``o`` its
+time per aten op, and per link ``α`` (latency per ring step) and ``β`` (bytes/s per device, each way).
+
+**Collectives** (ring algorithms over ``n`` ranks; ``S`` bytes is the whole tensor: the reduced tensor, the gathered
+output, the scattered input)::
+
+    all_reduce(S, n)     = 2(n−1)·α + 2(n−1)/n · S/β
+    all_gather(S, n)     =  (n−1)·α +  (n−1)/n · S/β
+    reduce_scatter(S, n) =  (n−1)·α +  (n−1)/n · S/β
+    send(S)              =        α +            S/β
+
+A group uses the link *across* nodes when any of its groups holds ranks of two nodes (the mesh is row-major,
+``tp`` innermost, ``devices_per_node`` ranks per node), else the link within a node.
+
+**Compute**, per stage and microbatch, from the probe (:mod:`lightning_par3d.planning.probe`): with ``φ`` the
+stage's FLOPs per sample and ``k`` its aten ops per microbatch, ``time(φ, k) = φ·b/t / F + k·o`` (on a GPU, where
+the CPU's work per op overlaps the kernels: ``max(φ·b/t / F, k·o)``). Forward and backward each so. Activation
+checkpointing adds, in backward, each checkpointed block's forward (``full``: every block; ``selective``: every
+``ac_every``-th; ``op``: only the block's ops without FLOPs, as op-level checkpointing keeps matmul outputs) and,
+for ``full`` and ``selective``, the block's forward tensor-parallel collectives again.
+
+**Tensor parallelism**, per microbatch: for each module of the plan, the collectives its style issues
+(:data:`~lightning_par3d.planning.probe.STYLE_COLLECTIVES`), each over the ``tp`` group, sized by the module's input
+or output at ``b`` samples and the run's activation dtype (2 bytes under bf16/fp16 compute, else 4), plus its DTensor
+glue: ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops (wrapping the input, redistributing or unwrapping the output) in
+forward and as many in backward, ``d`` seconds each; all part of the forward or backward it belongs to (not
+overlapped).
+
+**Issuing a collective** costs its rank ``COLLECTIVE_CPU_OPS`` ops of CPU time (the call, copies into and out of the
+communication buffer, the wait), ``COLLECTIVE_CPU_OPS · o``, which nothing overlaps; every tensor- and data-parallel
+collective pays it, in its own bucket (a pipeline send, in the transfer time).
+
+**Data parallelism**, per step, on each rank's parameters (``P`` elements after pp and tp; ``p``, ``g`` the
+parameter and gradient element sizes; buckets of 25 MiB as par3d's DDP and ZeRO buckets):
+
+* DDP: ``Σ_buckets all_reduce(bucket of P·g, R)``;
+* ZeRO-1: ``Σ all_reduce(P·g, R·N)`` + ``Σ all_gather(P·p, N)`` (the parameters after the sharded step);
+* ZeRO-2: ``Σ reduce_scatter(P·g, N)`` + ``Σ all_reduce(P·g/N, R)`` + ``Σ all_gather(P·p, N)``;
+* FSDP2 (ZeRO-3), per unit ``u`` (each block, then the root) of ``P_u`` elements: ``a_u · all_gather(P_u·p', N)``
+  + ``reduce_scatter(P_u·g', N)`` + ``all_reduce(P_u·g'/N, R)``, where ``p'`` is the gathering dtype (2 bytes under
+  ``-mixed``), ``g'`` the reduction dtype (fp32 under ``-mixed``), and ``a_u`` the gathers per step: 2 (forward,
+  and backward after resharding) for a block without pp, 1 for the root and for every unit under pp (parameters
+  stay gathered across the microbatches), ``2·m`` under pp with ``reshard_after_forward=True``;
+* replication under tp or pp (FSDP2 with a shard of 1): ``all_reduce(P·g, R)``.
+
+Where the machine overlaps communication with compute (NCCL's streams), only ``max(comm − compute, longest single
+collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
+
+**Pipeline**: every rank runs torch's own action order (:mod:`lightning_par3d.planning.schedule`) with each
+``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, and each
+hop between ranks ``send(stage output at b samples)``. The simulation gives when each rank's last action ends.
+
+**Optimizer**: ``E`` elements stepped on the rank (``P``, or ``P/N`` under ZeRO ≥ 1) read and written once:
+``E·(2p + g + 2·s·K)/memory_bandwidth + 10·tensors·o`` (``K`` state tensors per element, Adam's 2 of ``s`` = 4 bytes),
+with ``d`` instead of ``o`` where the parameters are DTensors (FSDP2's shards, tensor parallelism).
+
+**Step** of pipeline rank ``r``: ``end_r + dp_r + optimizer_r`` (+ per-step tp reductions); the step is the largest.
+Its buckets are those of that rank: compute (forward, backward, recompute, optimizer), tp communication,
+data-parallel communication, and the bubble: what remains, the rank's waiting inside the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.distributed.locality import spans_nodes
+from lightning_par3d.parallel.precision import element_bytes
+from lightning_par3d.planning.machine import Link, Machine
+from lightning_par3d.planning.probe import StageParams, StageWork
+
+BUCKET_BYTES = 25 * 2**20
+"""par3d's (and DDP's) gradient bucket."""
+OPTIMIZER_OPS_PER_TENSOR = 10
+"""Aten ops an element-wise optimizer (AdamW) runs per parameter tensor on the per-tensor path."""
+COLLECTIVE_CPU_OPS = 4
+"""CPU work of issuing one collective, in ops: the call, the copies into and out of its buffer, the wait."""
+DTENSOR_OPS_PER_TP_MODULE = 2
+"""DTensor ops a tensor-parallel module runs around its computation, in forward (and again in backward): the input
+wrapped (or redistributed), the output redistributed (or unwrapped)."""
+INPUT_GRAD_SHARE = 0.5
+"""Share of a backward that computes the input gradient (``I``) in the zero-bubble schedules; the weight
+gradient (``W``) is the rest (a linear layer's two gradient matmuls cost the same)."""
+OPTIMIZER_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step, in seconds, split into buckets that add up to :attr:`total`."""
+
+    compute: float
+    tp_comm: float
+    dp_comm: float
+    bubble: float
+    critical_pp_rank: int = 0
+    """The pipeline rank whose step is the longest (the buckets are its own)."""
+    pp_ranks: tuple[tuple[float, float, float, float], ...] = ()
+    """Every pipeline rank's (compute, tp_comm, dp_comm, bubble), in pipeline order."""
+    actions: tuple[int, ...] = ()
+    """Every pipeline rank's compute actions per step in torch's schedule order (F, B, I, W; none without pp)."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.dp_comm + self.bubble
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def all_reduce(size: float, n: int, link: Link) -> float:
+    """Ring all-reduce of ``size`` bytes over ``n`` ranks."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * size / link.bandwidth
+
+
+def all_gather(size: float, n: int, link: Link) -> float:
+    """Ring all-gather of ``size`` bytes in all (the gathered output) over ``n`` ranks; a reduce-scatter of a
+    ``size``-byte input costs the same."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    return (n - 1) * link.latency_s + (n - 1) / n * size / link.bandwidth
+
+
+reduce_scatter = all_gather
+
+
+def send(size: float, link: Link) -> float:
+    """A point-to-point transfer of ``size`` bytes."""
+    return link.latency_s + size / link.bandwidth if size > 0 else 0.0
+
+
+COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
+
+
+def buckets(size: float, cap: float = BUCKET_BYTES) -> list[float]:
+    """``size`` bytes in buckets of at most ``cap``."""
+    if size <= 0:
+        return []
+    full, rest = divmod(size, cap)
+    return [cap] * int(full) + ([rest] if rest else [])
+
+
+def bucketed(kind: str, size: float, n: int, link: Link) -> list[float]:
+    """The time of each bucket's collective."""
+    return [COLLECTIVES[kind](part, n, link) for part in buckets(size)] if n > 1 else []
+
+
+# ---------------------------------------------------------------- which link a group uses
+
+
+def group_link(layout: Layout, group: str, machine: Machine, devices_per_node: int) -> Link:
+    """The link ``group``'s collectives run over."""
+    crossing = spans_nodes(layout.shape, group, devices_per_node)
+    return machine.inter_node if crossing else machine.intra_node
+
+
+# ---------------------------------------------------------------- compute and tensor parallelism per stage
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's time per microbatch: compute and tp communication, forward and backward (recompute included)."""
+
+    forward_compute: float
+    forward_tp: float
+    backward_compute: float
+    backward_tp: float
+    step_tp: float
+    """Per-step tensor-parallel reductions (``replicated_with_grad_allreduce`` gradients)."""
+
+    @property
+    def forward(self) -> float:
+        return self.forward_compute + self.forward_tp
+
+    @property
+    def backward(self) -> float:
+        return self.backward_compute + self.backward_tp
+
+
+def _compute(flops: float, ops: int, machine: Machine, throughput: float) -> float:
+    arithmetic, overhead = flops / throughput, ops * machine.op_overhead_s
+    return max(arithmetic, overhead) if machine.async_kernels else arithmetic + overhead
+
+
+def recomputed_blocks(config: Par3DConfig, blocks: int) -> list[int]:
+    """The blocks activation checkpointing recomputes in backward (indices among the stage's blocks)."""
+    if config.activation_checkpointing in ("full", "op"):
+        return list(range(blocks))
+    if config.activation_checkpointing == "selective":
+        return list(range(blocks))[:: config.ac_every]
+    return []
+
+
+def stage_cost(
+    work: StageWork,
+    config: Par3DConfig,
+    layout: Layout,
+    samples: float,
+    machine: Machine,
+    precision: str,
+    tp_link: Link,
+) -> StageCost:
+    """The stage's forward and backward for one microbatch of ``samples`` (see the module docstring)."""
+    throughput, t = machine.flops_for(precision), layout.tp
+    scale = element_bytes(precision).compute / work.activation_element_bytes
+    forward = _compute(work.forward_flops * samples / t, work.forward_ops, machine, throughput)
+    backward = _compute(work.backward_flops * samples / t, work.backward_ops, machine, throughput)
+    redo = recomputed_blocks(config, len(work.block_forward_flops))
+    op_level = config.activation_checkpointing == "op"
+    for b in redo:
+        if op_level:
+            backward += _compute(0.0, work.block_cheap_ops[b], machine, throughput)
+        else:
+            backward += _compute(
+                work.block_forward_flops[b] * samples / t, work.block_forward_ops[b], machine, throughput
+            )
+    fwd_tp = bwd_tp = step_tp = 0.0
+    if t > 1:
+        glue = DTENSOR_OPS_PER_TP_MODULE * len({c.module for c in work.tp}) * machine.dtensor_op_overhead_s
+        fwd_tp, bwd_tp = glue, glue
+        launch = COLLECTIVE_CPU_OPS * machine.op_overhead_s
+        for c in work.tp:
+            if c.phase == "step":
+                step_tp += COLLECTIVES[c.kind](c.bytes_per_sample, t, tp_link) + launch
+                continue
+            took = COLLECTIVES[c.kind](c.bytes_per_sample * samples * scale, t, tp_link) + launch
+            if c.phase == "forward":
+                fwd_tp += took
+                if not op_level and c.block is not None and c.block in redo:
+                    bwd_tp += took  # the recomputed forward issues it again
+            else:
+                bwd_tp += took
+    return StageCost(forward, fwd_tp, backward, bwd_tp, step_tp)
+
+
+# ---------------------------------------------------------------- data parallelism and the optimizer per rank
+
+
+def _elements(params: Iterable[StageParams]) -> tuple[int, list[int], int]:
+    ps = list(params)
+    return sum(p.elements for p in ps), [u for p in ps for u in p.units], sum(p.tensors for p in ps)
+
+
+def data_parallel_collectives(
+    layout: Layout, params: list[StageParams], precision: str, machine: Machine, devices_per_node: int
+) -> list[float]:
+    """Each data-parallel collective one rank of this pipeline position runs per step (seconds each)."""
+    from lightning_par3d.parallel.precision import fsdp_mixed_precision
+
+    if layout.dp == 1:
+        return []
+    elements, units, _ = _elements(params)
+    p = g = element_bytes(precision).param
+    N, R, m = layout.dp_shard, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
+    link = functools.partial(group_link, layout, machine=machine, devices_per_node=devices_per_node)
+    engine = layout.data_parallel
+    if engine == "ddp":
+        return bucketed("all_reduce", elements * g, R, link("dp_replicate"))
+    if engine == "zero":
+        gather = bucketed("all_gather", elements * p, N, link("dp_shard"))
+        if layout.zero == 1:
+            return bucketed("all_reduce", elements * g, R * N, link("dp")) + gather
+        scatter = bucketed("reduce_scatter", elements * g, N, link("dp_shard"))
+        return scatter + bucketed("all_reduce", elements * g / N, R, link("dp_replicate")) + gather
+    # FSDP2
+    mixed = fsdp_mixed_precision(precision) is not None
+    gather_b, reduce_b = (2 if mixed else p), (4 if mixed else g)
+    if N == 1:
+        return [all_reduce(elements * reduce_b, R, link("dp_replicate"))]
+    times = []
+    for i, unit in enumerate(units):
+        root = i == len(units) - 1
+        if layout.pp == 1:
+            gathers = 1 if root or not layout.reshard_after_forward else 2
+        else:
+            gathers = 2 * m if layout.reshard_after_forward and not root else 1
+        times += [all_gather(unit * gather_b, N, link("dp_shard"))] * gathers
+        times.append(reduce_scatter(unit * reduce_b, N, link("dp_shard")))
+        if R > 1:
+            times.append(all_reduce(unit * reduce_b / N, R, link("dp_replicate")))
+    return [t for t in times if t > 0]
+
+
+def optimizer_time(
+    layout: Layout, params: list[StageParams], precision: str, machine: Machine, optimizer: str
+) -> float:
+    """One optimizer step on the rank's parameters (or its ZeRO rows)."""
+    elements, _, tensors = _elements(params)
+    if layout.zero >= 1 and layout.dp_shard > 1:
+        elements = math.ceil(elements / layout.dp_shard)
+    p = g = element_bytes(precision).param
+    state = OPTIMIZER_STATE_TENSORS.get(optimizer, 2) * 4
+    streamed = elements * (2 * p + g + 2 * state) / machine.memory_bandwidth
+    dtensors = layout.data_parallel == "fsdp" or layout.tp > 1
+    per_op = machine.dtensor_op_overhead_s if dtensors else machine.op_overhead_s
+    overhead = OPTIMIZER_OPS_PER_TENSOR * tensors * per_op
+    return max(streamed, overhead) if machine.async_kernels else streamed + overhead
+
+
+# ---------------------------------------------------------------- the step
+
+
+def predict_step(
+    config: Par3DConfig,
+    layout: Layout,
+    works: list[StageWork],
+    params: list[StageParams],
+    rank_batch: int,
+    machine: Machine,
+    devices_per_node: int,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+) -> StepTime:
+    """The predicted step of ``layout`` (see the module docstring for every formula)."""
+    from lightning_par3d.pipeline.actions import pipeline_actions
+    from lightning_par3d.planning.schedule import simulate
+
+    m = layout.microbatches if layout.pp > 1 else 1
+    samples = rank_batch / m
+    tp_link = group_link(layout, "tp", machine, devices_per_node)
+    costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link) for w in works]
+    counts = {0: 0}
+    if layout.pp == 1:
+        ends = {0: costs[0].forward + costs[0].backward}
+        parts = {0: (costs[0].forward_compute + costs[0].backward_compute, costs[0].forward_tp + costs[0].backward_tp)}
+    else:
+        actions = pipeline_actions(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches)
+        shares = {"F": (1.0, 0.0), "B": (0.0, 1.0), "I": (0.0, INPUT_GRAD_SHARE), "W": (0.0, 1 - INPUT_GRAD_SHARE)}
+
+        def duration(action: object) -> float:
+            c, (f, b) = costs[action.stage], shares[action.kind]  # type: ignore[attr-defined]
+            return f * c.forward + b * c.backward
+
+        owner = {a.stage: r for r, acts in actions.items() for a in acts}
+
+        def transfer(source: int, target: int) -> float:
+            size = works[min(source, target)].output_bytes_per_sample * samples
+            size *= element_bytes(precision).compute / works[min(source, target)].activation_element_bytes
+            link = _pp_link(layout, owner[source], owner[target], machine, devices_per_node)
+            return send(size, link) + COLLECTIVE_CPU_OPS * machine.op_overhead_s
+
+        ends = simulate(actions, duration, transfer).end
+        counts = {rank: len(acts) for rank, acts in actions.items()}
+        parts = {}
+        for rank, acts in actions.items():
+            compute = tp = 0.0
+            for a in acts:
+                c, (f, b) = costs[a.stage], shares[a.kind]
+                compute += f * c.forward_compute + b * c.backward_compute
+                tp += f * c.forward_tp + b * c.backward_tp
+            parts[rank] = (compute, tp)
+    steps: list[StepTime] = []
+    for rank, end in sorted(ends.items()):
+        mine = [params[s] for s in layout.stage_indices(rank)]
+        comm = data_parallel_collectives(layout, mine, precision, machine, devices_per_node)
+        compute, tp = parts[rank]
+        dp = sum(comm)
+        if machine.overlap_communication and comm:
+            dp = max(dp - compute, max(comm))
+        dp += len(comm) * COLLECTIVE_CPU_OPS * machine.op_overhead_s
+        step_tp = sum(costs[s].step_tp for s in layout.stage_indices(rank))
+        opt = optimizer_time(layout, mine, precision, machine, optimizer)
+        steps.append(StepTime(compute + opt, tp + step_tp, dp, max(end - compute - tp, 0.0), rank))
+    best = max(steps, key=lambda step: step.total)
+    every = tuple((s.compute, s.tp_comm, s.dp_comm, s.bubble) for s in steps)
+    actions_per_rank = tuple(counts[rank] for rank in sorted(ends))
+    return StepTime(
+        best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every, actions_per_rank
+    )
+
+
+def _pp_link(layout: Layout, a: int, b: int, machine: Machine, devices_per_node: int) -> Link:
+    """The link between pipeline ranks ``a`` and ``b`` (their first ranks; the others are alike)."""
+    stride = layout.dp * layout.tp
+    same = (a * stride) // devices_per_node == (b * stride) // devices_per_node
+    return machine.intra_node if same else machine.inter_node

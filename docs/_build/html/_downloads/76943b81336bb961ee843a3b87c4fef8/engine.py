@@ -1,0 +1,347 @@
+"""``Par3DEngine``: one model's distributed life at one par3d layout, in one framework-free object (see the package
+docstring for the order of calls). A facade: each job is a module of its own, which this class calls with its
+state.
+
+=====================================  =================================================================
+job                                    module
+=====================================  =================================================================
+validation, process groups, layout     :mod:`~lightning_par3d.engine.processes` (the base class)
+reusing a model parallelized before    :mod:`~lightning_par3d.engine.records`
+optimizers (pointing, ZeRO-1/2)        :mod:`~lightning_par3d.engine.optimizers`
+steps, accumulation, clipping          :mod:`~lightning_par3d.engine.steps`
+collectives over the data-parallel     :mod:`~lightning_par3d.engine.collectives`
+checkpoints                            :mod:`~lightning_par3d.engine.checkpoints`
+failures                               :mod:`~lightning_par3d.distributed.faults`
+elastic re-layout                      :mod:`~lightning_par3d.engine.elastic`
+=====================================  =================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_par3d.compose import ParallelizeReport, parallelize
+from lightning_par3d.config import Par3DConfig
+from lightning_par3d.distributed import faults
+from lightning_par3d.distributed.metric_sync import attach_metric_sync, quiet_compute_before_update
+from lightning_par3d.engine import checkpoints, collectives, records, steps
+from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
+from lightning_par3d.engine.processes import Processes
+from lightning_par3d.parallel.compression import compression_of
+from lightning_par3d.parallel.data_parallel import replicate_with_ddp
+from lightning_par3d.parallel.materialize import build_context
+from lightning_par3d.pipeline.batches import check_epoch, epoch_shape, limited
+from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
+from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, install_loss
+from lightning_par3d.utils.model_changes import record_of, remember
+from lightning_par3d.zero.optimizer import ZeroOptimizer
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Backward = Callable[[torch.Tensor], Any]
+
+
+class Par3DEngine(Processes):
+    """One model's distributed life at one par3d layout: validation, process groups and mesh
+    (:class:`~lightning_par3d.engine.processes.Processes`), the build context, ``parallelize``, optimizer setup, the
+    step (pipelined or not), gradient sync and clipping, sharded checkpoints and teardown. Independent of Lightning,
+    Fabric and Accelerate."""
+
+    def __init__(self, config: Par3DConfig, precision: str = "32-true") -> None:
+        super().__init__(config, precision)
+        self.accumulate_grad_batches = 1
+        """Batches per optimizer step (gradient accumulation); the pipeline scales its losses by it."""
+        self.clear_grads_first = False
+        """Set per batch by a front-end whose framework clears gradients only after the step function (Lightning):
+        the pipeline then clears them before its backward, on the first batch of each accumulation window."""
+        self._module: nn.Module | None = None
+        self._forward_module: nn.Module | None = None
+        self._record: records.ModelRecord | None = None
+        self._zero: list[ZeroOptimizer] = []
+        self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._steps = 0
+
+    # ---------------------------------------------------------------- the model
+    @contextmanager
+    def init_context(self) -> Iterator[None]:
+        """Where the model is built: for real on rank 0 (on CPU) and on the meta device elsewhere with
+        ``init="rank0"``, on meta everywhere with ``init="meta"``; seeded with ``config.seed`` if set."""
+        if self.config.seed is not None:
+            torch.manual_seed(self.config.seed)
+        with build_context(self.config.init, self.rank):
+            yield
+
+    def parallelize(self, module: nn.Module) -> nn.Module:
+        """Applies the layout to ``module`` in place (:func:`lightning_par3d.compose.parallelize`); returns what to
+        train: ``module``, ``DistributedDataParallel`` over it (pure replication), or under pp for a model that
+        declares no ``pipeline_trunk``, a :class:`~lightning_par3d.pipeline.trunk.PipelineHost` around it (run it
+        with :meth:`train_step`). A module parallelized before is reused, or refused with what differs
+        (:mod:`~lightning_par3d.engine.records`)."""
+        if self.layout.pp > 1 and not isinstance(module, PipelineHost) and not records.declares_pipeline(module):
+            return self._parallelize_hosted(module)
+        record = record_of(module)
+        if record is not None:
+            return self._reuse(module, record)
+        self._names_before = WeakIdKeyDictionary({p: n for n, p in module.named_parameters()})
+        result = parallelize(module, self.mesh, self.config, self.device, self.precision)
+        record = records.ModelRecord(
+            layout=self.layout,
+            settings=records.model_settings(self.config, self.precision),
+            pipeline=result.pipeline,
+            spec=result.spec,
+            structure=records.structure(module),
+            report=result.report,
+        )
+        remember(module, record)
+        self._adopt(module, result.forward_module, record)
+        return result.forward_module
+
+    def _parallelize_hosted(self, model: nn.Module) -> nn.Module:
+        return records.parallelize_hosted(model, self.parallelize)
+
+    def _reuse(self, module: nn.Module, record: records.ModelRecord) -> nn.Module:
+        problem = records.reuse_problem(
+            module, record, self.layout, records.model_settings(self.config, self.precision)
+        )
+        if problem is not None:
+            raise problem
+        trained = self._forward_module if self._module is module and self._forward_module is not None else None
+        if trained is None and self.layout.data_parallel == "ddp":
+            trained = replicate_with_ddp(module, self.mesh, self.device, compression_of(self.config))
+        self._adopt(module, trained or module, record)
+        return self.forward_module
+
+    def _adopt(self, module: nn.Module, trained: nn.Module, record: records.ModelRecord) -> None:
+        self._module, self._forward_module, self._record = module, trained, record
+        if record.spec is not None and not isinstance(module, PipelineHost):
+            install_loss(module, record.spec.loss, self.run_pipeline)
+        self.attach_metrics(module)
+
+    @property
+    def module(self) -> nn.Module:
+        """The parallelized module (the user's object)."""
+        if self._module is None:
+            raise RuntimeError("No model yet: call Par3DEngine.parallelize(model) first.")
+        return self._module
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """What to call for forward and backward: the module, or ``DistributedDataParallel`` over it."""
+        if self._forward_module is None:
+            raise RuntimeError("No model yet: call Par3DEngine.parallelize(model) first.")
+        return self._forward_module
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """This rank's pipeline runner under pp > 1, else None."""
+        return self._record.pipeline if self._record is not None else None
+
+    @property
+    def pipeline_spec(self) -> PipelineSpec | None:
+        """The trunk and loss names the model declared for pipelining (None without pp, or for a hosted model)."""
+        record = self._record
+        if record is None or record.spec is None or isinstance(self._module, PipelineHost):
+            return None
+        return record.spec
+
+    @property
+    def report(self) -> ParallelizeReport:
+        if self._record is None:
+            raise RuntimeError("No model yet: call Par3DEngine.parallelize(model) first.")
+        return self._record.report
+
+    def describe(self) -> str:
+        """One line for the log: the layout and what was applied."""
+        return f"par3d: {self.layout} on {self.layout.world_size} ranks; {self.report}."
+
+    # ---------------------------------------------------------------- optimizers
+    def setup_optimizers(self, optimizers: Sequence[Optimizer], schedulers: Iterable[Any] = ()) -> list[Optimizer]:
+        """The optimizers to step, over the parallelized parameters, ZeRO-1/2-wrapped where the layout says
+        (:func:`lightning_par3d.engine.optimizers.setup_optimizers`). Earlier ZeRO wrappers are closed."""
+        self.close_optimizers()
+        ready, self._zero = prepare_optimizers(
+            optimizers, schedulers, self.module, self._names_before, self.layout, self.mesh
+        )
+        return ready
+
+    def holds_stale_parameters(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` holds parameters of the model as it was before :meth:`parallelize`."""
+        return any(p in self._names_before for g in optimizer.param_groups for p in g["params"])
+
+    def close_optimizers(self) -> None:
+        """Removes the gradient hooks of this engine's ZeRO wrappers."""
+        for zero in self._zero:
+            zero.close()
+        self._zero = []
+
+    # ---------------------------------------------------------------- steps
+    def run_pipeline(
+        self, pending: PendingPipelineOutput, targets: Any, loss_fn: LossFn, train: bool | None = None
+    ) -> torch.Tensor:
+        """Runs the pipeline schedule for one batch: forward and backward if ``train`` (by default: when the module
+        is in training mode and gradients are enabled), forward only otherwise. Returns the batch's mean loss on
+        every rank."""
+        runner = self._require_pipeline()
+        if train is None:
+            train = self.module.training and torch.is_grad_enabled()
+        return runner.run(
+            pending, targets, loss_fn, train=train, device=self.device, accumulate=self.accumulate_grad_batches,
+            zero_grad_first=self.clear_grads_first, zero=self._zero,
+        )  # fmt: skip
+
+    def train_step(
+        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of one batch at any layout; returns the batch's mean loss (detached) on every rank.
+        Without pipelining ``backward(loss)`` runs the backward (default ``loss.backward()``; a front-end passes its
+        own, e.g. with loss scaling); under pp the schedule runs both (:mod:`lightning_par3d.engine.steps`)."""
+        self._steps += 1
+        self.note_step(self._steps)
+        if self.layout.pp == 1:
+            return steps.plain_train_step(model, inputs, targets, loss_fn, backward)
+        with torch.enable_grad():
+            return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=True)
+
+    def eval_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """The mean loss of one batch, forward only, at any layout (on every rank)."""
+        with torch.no_grad():
+            if self.layout.pp == 1:
+                return loss_fn(steps.call(model, inputs), targets).detach()
+            return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
+
+    def predict(self, pending: PendingPipelineOutput) -> Any:
+        """Under pp: the trunk's outputs on the ranks holding the last stage, None elsewhere."""
+        return self._require_pipeline().predict(pending, self.device)
+
+    def predict_step(self, model: nn.Module, inputs: Any) -> Any:
+        """The model's outputs for one batch, forward only, at any layout; under pp on the ranks holding the last
+        stage (None elsewhere)."""
+        with torch.no_grad():
+            if self.layout.pp == 1:
+                return steps.call(model, inputs)
+            return self.predict(steps.pending(inputs))
+
+    def _require_pipeline(self) -> PipelineRunner:
+        runner = self.pipeline
+        if runner is None:
+            raise RuntimeError("This model is not pipelined (pp=1): call it directly.")
+        return runner
+
+    def no_sync(self, enabled: bool = True) -> Any:
+        """A context in which backward passes keep their gradients local (the non-final batches of gradient
+        accumulation: :func:`lightning_par3d.engine.steps.no_sync`)."""
+        return steps.no_sync(self.forward_module, self._zero) if enabled else nullcontext()
+
+    def clip_grad_norm_(
+        self, source: Optimizer | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Scales gradients so that their norm over every tp, dp and pp shard (the whole model's, as one process
+        computes it) is at most ``max_norm``; returns the norm before clipping. ``source`` is the optimizer whose
+        gradients to clip (the Trainer, Fabric), or parameters (Accelerate's ``clip_grad_norm_``)."""
+        pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        return steps.clip_grad_norm(source, max_norm, norm_type, self._zero, pp_group)
+
+    # ---------------------------------------------------------------- data and logged values
+    def check_epoch(self, loader: Any, what: str, limits: Sequence[int | float] = ()) -> str | None:
+        """Under pp, before the first step: raises ``ValueError`` if a batch of ``loader`` (of which the run reads at
+        most ``limits`` batches, each a count or a fraction) cannot be split into microbatches, and returns a line
+        for the log if the epoch's partial last batch runs as fewer microbatches
+        (:mod:`lightning_par3d.pipeline.batches`); None otherwise, or when the loader's epoch cannot be told."""
+        runner = self.pipeline
+        shape = epoch_shape(loader, self.dp_size) if runner is not None else None
+        if runner is None or shape is None:
+            return None
+        shape = limited(shape, *limits)
+        note = check_epoch(shape, self.layout, what)
+        if note is not None:
+            runner.announced.add(shape.last_batch)
+        return note
+
+    def gather(self, data: Any, as_objects: bool = False) -> Any:
+        """The batch values ``data`` of every data-parallel rank, on every rank
+        (:func:`lightning_par3d.engine.collectives.gather`)."""
+        return collectives.gather(
+            data, as_objects, self.layout, self.mesh, self.holds_last_stage, self.pipeline, self.device
+        )
+
+    def attach_metrics(self, *modules: nn.Module) -> int:
+        """Makes every torchmetrics metric in ``modules`` without a sync of its own sync over the right ranks
+        (:meth:`metric_sync_fn`; :meth:`parallelize` does it for the model's own); returns how many."""
+        if self.layout.pp > 1 and self.mesh.coords(self.rank).pp != self.layout.last_stage_owner:
+            quiet_compute_before_update()
+        return attach_metric_sync(modules, self.metric_sync_fn(), pipelined=self.layout.pp > 1)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _saved_module(self) -> nn.Module:
+        return checkpoints.saved_module(self.module, self.forward_module)
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's shards of the model's state (DTensors, nothing gathered), keyed by original names."""
+        return checkpoints.dcp.model_state(self._saved_module())
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's shards of ``optimizer``'s state (wrapped by a framework or not), keyed by parameter name."""
+        return checkpoints.dcp.optimizer_state(self._saved_module(), checkpoints.unwrapped(optimizer))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
+        return checkpoints.full_state_dict(self._saved_module(), self.mesh, self.rank)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes the transformers model inside the trained module as a ``save_pretrained`` directory, from any
+        layout (gathered on rank 0, which writes it). Every rank must call it."""
+        state = self.full_state_dict()
+        return checkpoints.save_pretrained(self._saved_module(), state, directory, self.rank)
+
+    def save(
+        self,
+        path: str | Path,
+        metadata: dict[str, Any],
+        optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
+        model_state: dict[str, Any] | None = None,
+        model_key: str = checkpoints.MODEL_KEY,
+    ) -> None:
+        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and of the
+        optimizers (their :meth:`optimizer_state`, under their names, or ``optimizer_0``, … for a list) with DCP,
+        and ``metadata`` (rank 0's), atomically. Every rank must call it."""
+        tensors = {model_key: self.model_state() if model_state is None else model_state}
+        tensors.update(checkpoints.by_key(optimizer_states))
+        checkpoints.save(path, tensors, metadata, self.rank, self.barrier)
+
+    def load(
+        self,
+        path: str | Path,
+        optimizers: Sequence[Any] | Mapping[str, Any] = (),
+        model_key: str = checkpoints.MODEL_KEY,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
+        layout or any other) and returns its metadata."""
+        return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only)
+
+    # ---------------------------------------------------------------- faults and the end
+    def note_step(self, step: int) -> None:
+        """Records the step this rank is starting, so that a failure can say how far each rank had come."""
+        faults.note_step(self.rank, step)
+
+    def describe_failure(self, error: BaseException) -> str:
+        """Records this rank's failure; a message for a person (:mod:`lightning_par3d.distributed.faults`)."""
+        world = self._layout.world_size if self._layout is not None else 1
+        return faults.describe_failure(self.rank, world, error, self.config.timeout_s)
+
+    def failed_first(self) -> bool:
+        """After :meth:`describe_failure`: whether this rank's failure is the job's first (the one to print)."""
+        return faults.failed_first(self.rank)
+
+    def teardown(self) -> None:
+        """Closes the ZeRO wrappers' gradient hooks; runs no collective. The mesh and the parallelized model stay
+        for the next run of this layout in this process (:mod:`lightning_par3d.distributed.groups`)."""
+        self.close_optimizers()

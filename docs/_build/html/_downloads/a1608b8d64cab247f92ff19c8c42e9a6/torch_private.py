@@ -1,0 +1,158 @@
+"""The private torch APIs par3d still uses, each behind one function, with why and what would replace it.
+
+Everywhere else the package calls torch's public API, with two kinds of exception that cannot move here:
+``nn.Module``'s own ``_parameters`` / ``_buffers`` / ``_modules`` dictionaries (read and written as torch's own
+module utilities do), and ``GlobalGradScaler`` overriding ``GradScaler._unscale_grads_`` (the one place a scaler
+checks gradients for infs; see :func:`unscale_and_check_finite`). Each entry below is needed because torch 2.13 has
+no public way to do the same thing; a torch upgrade that breaks one breaks it here, and its docstring names the
+public API to move to. Imports are inside the functions, so that importing this module imports no more of torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def fake_tensor_mode() -> Any:
+    """``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage), for the memory estimator.
+
+    Private module: ``torch._subclasses.fake_tensor``. No public constructor exists; ``torch.export`` and
+    ``torch.compile`` create it internally."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_mode_paused() -> Any:
+    """A context in which no ``FakeTensorMode`` is active, while fake tensors stay fake (every op on them still
+    dispatches to their own mode). The memory estimator builds the model under the fake mode, then parallelizes it
+    in this context: a ``DeviceMesh`` (which FSDP2 builds for a parameter that is already a tp DTensor) computes its
+    coordinates with ``nonzero()``, whose output shape depends on data, which the fake mode refuses.
+
+    Private module: ``torch._subclasses.fake_tensor.unset_fake_temporarily``; no public equivalent."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def set_default_group_timeout(timeout: timedelta) -> None:
+    """Gives the existing default process group (created by Lightning, Accelerate or the user) par3d's collective
+    timeout. Public API sets it only when the group is created (``init_process_group(timeout=...)``).
+
+    Private: ``torch.distributed.distributed_c10d._set_pg_timeout``."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (par3d's step notes and failure records, and its timeout).
+    torch exposes the store only to the code that creates the group.
+
+    Private: ``torch.distributed.distributed_c10d._get_default_store``."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the current backward pass ends (the ZeRO optimizer's last gradient buckets). Public
+    replacement: none; FSDP2 and DDP's Python reducer use the same call.
+
+    Private: ``torch.autograd.Variable._execution_engine.queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def strided_shard() -> Any:
+    """DTensor's ``_StridedShard`` placement class: a dimension cut in interleaved pieces (a packed projection
+    under tensor parallelism, and the dp cut of a tp-sharded dim as FSDP2 lays it out). torch's public placements
+    are ``Shard``, ``Replicate`` and ``Partial`` only.
+
+    Private: ``torch.distributed.tensor.placement_types._StridedShard``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def functional_collective_ops() -> Any:
+    """The op namespace of torch's functional collectives (``all_reduce``, ``all_gather_into_tensor`` …), whose
+    outputs ``op``-mode activation checkpointing saves. The ops are registered only under this name.
+
+    Private: ``torch.ops._c10d_functional``."""
+    return torch.ops._c10d_functional
+
+
+def unscale_and_check_finite(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiplies ``grads`` by ``inv_scale`` in place and sets ``found_inf`` where one holds an inf or a NaN: what
+    ``GradScaler`` does per device, here over each rank's local shards. Public replacement: none (``GradScaler``
+    calls it from its own ``_unscale_grads_``, which par3d's ``GlobalGradScaler`` overrides, also private).
+
+    Private: ``torch._amp_foreach_non_finite_check_and_unscale_``."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """The ``PipelineStage`` objects a ``torch.distributed.pipelining`` schedule runs (the bottleneck report wraps
+    their compute calls). Public replacement: keeping the list where the stages are made
+    (``pipeline.runner.build_runner``), which then needs no torch internals.
+
+    Private: ``_stages`` (multi-stage schedules) and ``_stage`` (single-stage ones)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages else [schedule._stage]
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """A DTensor's own local tensor, the very storage FSDP2 and DCP use, with no autograd in between. The public
+    ``DTensor.to_local()`` goes through an autograd function (a view with a ``grad_fn`` under grad mode), which
+    in-place collectives on gradients and storage counts must not see.
+
+    Private: ``DTensor._local_tensor``."""
+    return t._local_tensor
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (None if it is not a view): a linear layer saves ``weight.t()``, which the
+    activation meter must recognise as the parameter. Documented in torch's "Tensor Views" notes, but named
+    privately.
+
+    Private: ``Tensor._base``."""
+    return t._base
+
+
+def clear_sharding_propagation_cache() -> None:
+    """Empties DTensor's cache of sharding decisions. It is keyed by mesh equality and holds the mesh a decision was
+    made on, so a mesh of a later fake world (the planner simulates hundreds) that equals an earlier one would be
+    handed the earlier, destroyed mesh. Private: ``torch.distributed.tensor.debug._clear_sharding_prop_cache``; no
+    public equivalent."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def skip_pipeline_metadata_vote() -> None:
+    """For the dry run's own process only (:mod:`lightning_par3d.tools.dry_run`, a fresh interpreter over the
+    fake backend): torch 2.13's pipeline schedules decide between static and dynamic stage metadata by a vote passed
+    from stage to stage over P2P (``_PipelineSchedule._warmup_p2p``), which the fake backend cannot carry (a receive
+    leaves its buffer as it was, so every vote reads "dynamic" and the stages then wait for shapes no peer sends).
+    This replaces the vote with each stage's own answer: static where it was given its inputs and outputs. Public
+    replacement: none yet (an ``inference_mode=`` argument of ``PipelineStage`` would be one)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def own_vote(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = own_vote  # type: ignore[method-assign]
+
+
+def triton_available() -> bool:
+    """Whether inductor can generate GPU code here (Triton installed and supporting the device)."""
+    from torch.utils._triton import has_triton
+
+    return bool(has_triton())

@@ -1,0 +1,103 @@
+"""The engine's checkpoints: each rank's shards of the model and its optimizers, saved and loaded through
+``torch.distributed.checkpoint`` (:mod:`lightning_par3d.checkpoint.dcp`: atomic, loadable at any layout), and the
+whole model gathered for a Hugging Face ``save_pretrained`` directory (:mod:`lightning_par3d.checkpoint.hf`).
+
+Names are the model's own at every layout: the module saved is the model itself, never the ``DistributedDataParallel``
+around it or the pipeline host around a plain model (:func:`saved_module`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_par3d.checkpoint import dcp, hf
+from lightning_par3d.distributed.mesh import Par3DMesh
+from lightning_par3d.pipeline.trunk import PipelineHost
+
+MODEL_KEY = "state_dict"
+"""The model's entry in a par3d checkpoint (Lightning's name for it)."""
+
+
+def optimizer_key(index: int) -> str:
+    """The ``index``-th optimizer's entry in a par3d checkpoint."""
+    return f"optimizer_{index}"
+
+
+def saved_module(module: nn.Module, forward_module: nn.Module) -> nn.Module:
+    """The module whose names a checkpoint uses: the model itself (inside DDP, inside a pipeline host)."""
+    return module.trunk if isinstance(module, PipelineHost) else forward_module
+
+
+def full_state_dict(saved: nn.Module, mesh: Par3DMesh, rank: int) -> dict[str, torch.Tensor] | None:
+    """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
+    coords = mesh.coords(rank)
+    first_copy = coords.dp_replicate == 0 and coords.dp_shard == 0 and coords.tp == 0
+    return dcp.full_state_dict(saved, holds_copy=first_copy)
+
+
+def save_pretrained(saved: nn.Module, state: dict[str, torch.Tensor] | None, directory: str | Path, rank: int) -> Path:
+    """Rank 0 writes the transformers model ``saved`` with ``state`` (its gathered weights) as a ``save_pretrained``
+    directory; every rank raises the same error if the writing fails, and returns the directory once it is
+    complete. Every rank must call it."""
+    outcome: list[Any] = [None]
+    if rank == 0:
+        assert state is not None
+        try:
+            hf.save_pretrained(saved, state, directory)
+        except Exception as error:  # every rank must learn of it, or the others would wait for ever
+            outcome[0] = f"{type(error).__name__}: {error}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"save_pretrained to {directory} failed on rank 0: {outcome[0]}")
+    return Path(directory)
+
+
+def save(
+    path: str | Path,
+    tensors: dict[str, Any],
+    metadata: dict[str, Any],
+    rank: int,
+    barrier: Callable[[], None],
+) -> None:
+    """Saves ``tensors`` (this rank's shards: the model under its key, the optimizers under theirs) with DCP and
+    ``metadata`` (rank 0's) as ``meta.pt``, atomically. Every rank must call it."""
+    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier)
+
+
+def load(
+    path: str | Path,
+    saved: nn.Module,
+    optimizers: Sequence[Any] | Mapping[str, Any],
+    model_key: str,
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at any layout)
+    and returns its ``meta.pt`` contents. A damaged or foreign checkpoint raises the same ``ValueError`` on every
+    rank."""
+    inner = {key: unwrapped(optimizer) for key, optimizer in by_key(optimizers).items()}
+    return dcp.load_sharded(Path(path), saved, inner, model_key, strict, weights_only)
+
+
+def by_key(items: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizers (or their states) by their checkpoint keys: a mapping's own, or ``optimizer_<i>`` for a list."""
+    if isinstance(items, Mapping):
+        return dict(items)
+    return {optimizer_key(i): item for i, item in enumerate(items)}
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The torch (or ZeRO) optimizer inside Lightning's, Fabric's or Accelerate's optimizer wrapper."""
+    for attr in ("_optimizer", "optimizer"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, Optimizer):  # a ZeroOptimizer is one too, and is kept (its `wrapped` is not unwrapped)
+            return unwrapped(inner)
+    return optimizer

@@ -1,0 +1,137 @@
+"""A Hugging Face transformers causal LM, unchanged, as a LightningModule that par3d trains at any layout.
+
+The model is transformers' own (``AutoModelForCausalLM.from_config``): a tiny random Llama by default, any
+architecture transformers knows (``architecture="qwen2"``, ``"mistral"``, …), or a real checkpoint's
+(``pretrained_path=``: the config comes from the directory, and the strategy's ``init="pretrained"`` reads its
+weights into each rank's shards). Three attributes are all par3d needs:
+
+* ``tp_plan = "auto"``: the transformers model's own tensor-parallel plan;
+* ``pipeline_trunk = "model"``: under pp > 1 par3d splits the transformers model into stages itself (embedding
+  first, decoder layers balanced, final norm and LM head last), keeping every parameter's name;
+* ``pipeline_loss = "loss_fn"``: the loss the last stage applies to the logits.
+
+It reads the same byte-level data as the example GPT (token ids 0–255, valid ids of any vocabulary of at least
+256 tokens); bring a tokenized DataModule to fine-tune a real checkpoint on real text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import SumMetric
+from torchmetrics.text import Perplexity
+
+
+def logits_of(output: Any) -> Any:
+    """The logits of a transformers model's output (a ``ModelOutput``); anything else as it is (a pipeline stage's
+    output, which par3d hands to the loss)."""
+    return getattr(output, "logits", output)
+
+
+class CausalLMModule(L.LightningModule):
+    """Next-token prediction with a transformers ``*ForCausalLM``, unchanged. The same module trains on one device
+    and under any par3d layout."""
+
+    tp_plan = "auto"  # the transformers model's own plan
+    pipeline_trunk = "model"  # under pp > 1, par3d splits the transformers model into stages ...
+    pipeline_loss = "loss_fn"  # ... and applies this loss on the last stage
+
+    def __init__(
+        self,
+        architecture: str = "llama",
+        pretrained_path: str | None = None,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        hidden_size: int = 128,
+        intermediate_size: int = 256,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        tie_word_embeddings: bool = False,
+        config_overrides: dict[str, Any] | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: nn.Module | None = None
+        self.perplexity = Perplexity(ignore_index=-100)  # -100: a padding position's label (padded fine-tuning)
+        self.tokens = SumMetric()
+
+    def model_config(self) -> Any:
+        """The transformers config: the pretrained directory's, or a fresh one of ``architecture``."""
+        from transformers import AutoConfig
+
+        hp = self.hparams
+        if hp.pretrained_path:
+            return AutoConfig.from_pretrained(hp.pretrained_path, **(hp.config_overrides or {}))
+        return AutoConfig.for_model(
+            hp.architecture,
+            vocab_size=hp.vocab_size,
+            max_position_embeddings=hp.block_size,
+            hidden_size=hp.hidden_size,
+            intermediate_size=hp.intermediate_size,
+            num_hidden_layers=hp.num_hidden_layers,
+            num_attention_heads=hp.num_attention_heads,
+            num_key_value_heads=hp.num_key_value_heads,
+            tie_word_embeddings=hp.tie_word_embeddings,
+            # The architecture's special token ids belong to its own vocabulary; the byte-level data has none.
+            **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(hp.config_overrides or {})},
+        )
+
+    def configure_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if self.model is not None:  # idempotent: Lightning may call it again, e.g. for trainer.validate
+            return
+        if self.hparams.pretrained_path and not getattr(self._trainer_strategy(), "loads_pretrained", False):
+            # One device, or a strategy that does not read the weights itself: transformers loads them.
+            # from_pretrained returns the model in eval mode; training starts in train mode (dropout where the
+            # config has it), as with from_config and with par3d's init="pretrained".
+            self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained_path).train()
+        else:  # par3d with init="pretrained" reads each rank's shards of the weights into the built model
+            self.model = AutoModelForCausalLM.from_config(self.model_config())
+
+    def _trainer_strategy(self) -> Any:
+        return self._trainer.strategy if self._trainer is not None else None
+
+    def forward(self, idx: torch.Tensor) -> Any:
+        assert self.model is not None
+        return logits_of(self.model(idx))  # (B, T, vocab) logits
+
+    def loss_fn(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(logits)
+        if not self.training:  # validation and test: the metrics see every token once
+            self.perplexity.update(logits, targets)
+            self.tokens.update((targets != -100).sum())
+        # (B·T, vocab) against (B·T,): the mean over the tokens whose label is not -100
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", self.perplexity, prog_bar=True)
+        self.log("val_tokens", self.tokens)
+        return loss
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return torch.optim.AdamW(
+            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps
+        )

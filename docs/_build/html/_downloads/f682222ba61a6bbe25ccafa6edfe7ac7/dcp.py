@@ -1,0 +1,416 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), laid out as Lightning's own, saved atomically and
+checked before loading.
+
+A checkpoint is a directory: DCP's shard files plus ``.metadata`` hold the model (``state_dict``, or the key the
+front-end gives) and the optimizers (``optimizer_0``, …), each rank writing only its shards; ``meta.pt``, written
+by rank 0, holds everything else Lightning saves (loops, callbacks, hyper-parameters). It is the layout of
+Lightning's ``ModelParallelStrategy``, so Lightning's ``consolidate_checkpoint`` turns it into a single file.
+
+Saving is atomic from the user's point of view: every rank writes into a hidden staging directory next to the
+target (``.<name>.partial``), rank 0 writes ``meta.pt`` last, and only then is the staging directory renamed into
+place (an existing checkpoint of that name is first renamed to ``.<name>.old`` and removed after). A save killed
+at any moment leaves the previous checkpoint complete: at its name, or, killed between the two renames, at
+``.<name>.old``, from where :func:`resolve_checkpoint` takes it (and the next save puts it back). A directory
+without ``meta.pt`` is never taken for a checkpoint.
+
+Loading unpickles nothing arbitrary from the shards: DCP's ``.metadata`` is read with an unpickler that admits only
+DCP's own metadata classes, and non-tensor entries (optimizer hyper-parameters) with ``torch.load(...,
+weights_only=True)``. Only ``meta.pt``, Lightning's own loop and callback state, is read with the ``weights_only``
+the caller passes (Lightning's ``trainer.fit(..., weights_only=...)``; torch's default when None).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back, put_back
+from lightning_par3d.zero.optimizer import ZeroOptimizer
+
+METADATA_FILENAME = "meta.pt"
+"""Rank 0's file of everything but the model and optimizer tensors; written last, so it marks a complete save."""
+DCP_METADATA = ".metadata"
+
+
+def model_state(module: nn.Module) -> dict[str, Any]:
+    """The model's state dict with each rank's shards (DTensors): nothing is gathered."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module)
+
+
+def full_state_dict(module: nn.Module, holds_copy: bool = True, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict, unsharded, on rank ``dst`` (None on the other ranks).
+
+    Each DTensor is gathered over its own mesh (``full_tensor()``, a collective of its tp and dp peers), then the
+    entries of every rank for which ``holds_copy`` is True (one rank per pipeline stage suffices: the others hold
+    the same values) are merged on ``dst``. Every rank must call it. ``dst`` ends up holding the whole model."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    state: dict[str, torch.Tensor] = {}
+    for name, value in model_state(module).items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if holds_copy:
+            state[name] = full.detach().clone().cpu()  # clone: full_tensor() may return an async result
+    if not dist.is_initialized():
+        return state
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(state, parts, dst=dst)
+    if parts is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged
+
+
+# Flattened optimizer state: every entry, param_groups settings included, is keyed by parameter name
+# ("param_groups.model.h.2.attn.q_proj.weight.lr"), so pipeline ranks, which hold different parameters, never write
+# the same key with different contents, and any layout reads back what it owns.
+_OPTIM_OPTIONS: dict[str, Any] = {"flatten_optimizer_state_dict": True}
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer, for_loading: bool = False) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter name, with each rank's shards. A ZeRO-1/2 optimizer gives its
+    own rows as DTensors in the same flattened layout; ``for_loading`` makes sure its state exists to load into."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.sharded_state_dict(_names(module), for_loading=for_loading)
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(**_OPTIM_OPTIONS))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+    """Restores the optimizer from a state dict in the :func:`optimizer_state` format."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_sharded_state_dict(state, _names(module))
+        return
+    set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(**_OPTIM_OPTIONS))
+
+
+def _names(module: nn.Module) -> dict[torch.Tensor, str]:
+    return {param: name for name, param in module.named_parameters()}
+
+
+# ---------------------------------------------------------------- what is on disk
+
+
+def _staging(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def _previous(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete par3d checkpoint (DCP's metadata and ``meta.pt``, which is written last)."""
+    return path.is_dir() and (path / DCP_METADATA).is_file() and (path / METADATA_FILENAME).is_file()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """``path``, or, if a save was killed between putting the old checkpoint aside and the new one in place, the
+    previous checkpoint it left at ``.<name>.old``."""
+    if not path.exists() and is_sharded_checkpoint(_previous(path)):
+        return _previous(path)
+    return path
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save_sharded(
+    path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank: int, barrier: Callable[[], None]
+) -> None:
+    """Writes ``tensors`` with DCP (every rank its own shards) and ``metadata`` with ``torch.save`` (rank 0), into a
+    staging directory that then replaces ``path`` (see the module docstring). Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if path.is_file():
+        raise FileExistsError(f"{path} is a file; a par3d checkpoint is a directory. Remove it or choose another path.")
+    staging = _staging(path)
+    if rank == 0:
+        _restore_previous(path)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    barrier()
+    swapped = contiguous_copies(tensors)  # packed projections' interleaved shards, as contiguous blocks
+    try:
+        dcp.save(tensors, storage_writer=FileSystemWriter(staging))
+    finally:
+        put_back(swapped)
+    if rank == 0:
+        _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
+        _swap_into_place(staging, path)
+    barrier()
+
+
+def _write_file(path: Path, write: Callable[[Any], None]) -> None:
+    """Writes ``path`` completely or not at all (a temporary file, flushed to disk, then renamed)."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _swap_into_place(staging: Path, path: Path) -> None:
+    previous = _previous(path)
+    shutil.rmtree(previous, ignore_errors=True)
+    if path.exists():
+        os.rename(path, previous)
+    os.rename(staging, path)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _restore_previous(path: Path) -> None:
+    """Puts back a previous checkpoint that a killed save left aside."""
+    if not path.exists() and is_sharded_checkpoint(_previous(path)):
+        os.rename(_previous(path), path)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Removes a checkpoint directory (or file) and whatever an interrupted save of it left behind."""
+    for candidate in (path, _staging(path), _previous(path)):
+        if candidate.is_dir():
+            shutil.rmtree(candidate, ignore_errors=True)
+        elif candidate.exists():
+            candidate.unlink()
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_sharded(
+    path: Path,
+    module: nn.Module,
+    optimizers: Mapping[str, Optimizer],
+    model_key: str = "state_dict",
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Loads the model's and optimizers' shards in place (at the layout they were saved with or any other that DCP
+    can reshard to) and returns the rest of the checkpoint (``meta.pt``). ``optimizers`` maps each optimizer's key
+    in the checkpoint to it. The checkpoint is checked first, on every rank (:func:`check_checkpoint`): a missing,
+    truncated or foreign checkpoint raises the same ``ValueError`` everywhere instead of failing inside a
+    collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    path = resolve_checkpoint(path)
+    state: dict[str, Any] = {model_key: model_state(module)}
+    for key, optimizer in optimizers.items():
+        state[key] = optimizer_state(module, optimizer, for_loading=True)
+    metadata = check_checkpoint(path, {model_key: state[model_key]}, strict, weights_only)
+    swapped = contiguous_copies(state)  # packed projections' interleaved shards, as contiguous blocks
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=_SafeLoadPlanner())
+    copy_back(swapped)
+    set_model_state_dict(module, state[model_key], options=StateDictOptions(strict=strict))
+    for key, optimizer in optimizers.items():
+        load_optimizer_state(module, optimizer, state[key])
+    return metadata
+
+
+def check_checkpoint(
+    path: Path, expected: dict[str, dict[str, Any]], strict: bool = True, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """Checks the checkpoint at ``path`` on every rank and agrees on the outcome; returns ``meta.pt``'s contents.
+
+    Each rank checks that the directory is a complete checkpoint, that DCP's metadata reads, that every shard file
+    it names exists and is long enough, that the tensors in ``expected`` (``{key: state_dict}``, this rank's) are
+    in it with their global shapes, and that ``meta.pt`` loads. The ranks then exchange their findings (one
+    collective), and every rank raises the same ``ValueError`` naming the files and what is wrong, if any rank
+    found anything.
+    """
+    import torch.distributed as dist
+
+    problems, metadata = _local_problems(path, expected, strict, weights_only)
+    if dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+    if problems:
+        shown = "\n".join(f"  - {p}" for p in problems[:12])
+        more = f"\n  (and {len(problems) - 12} more)" if len(problems) > 12 else ""
+        raise ValueError(f"Cannot load the par3d checkpoint {path}:\n{shown}{more}")
+    return metadata
+
+
+def _local_problems(
+    path: Path, expected: dict[str, dict[str, Any]], strict: bool, weights_only: bool | None
+) -> tuple[list[str], dict[str, Any]]:
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such directory"
+        hint = "; a save of it was interrupted" if _staging(path).exists() else ""
+        return [f"{path} is not a par3d checkpoint ({what}{hint}). Pass the directory that par3d saved."], {}
+    if not (path / DCP_METADATA).is_file():
+        return [f"{path} is not a par3d checkpoint: {DCP_METADATA} (torch.distributed.checkpoint's) is missing."], {}
+    if not (path / METADATA_FILENAME).is_file():
+        return [f"{path / METADATA_FILENAME} is missing: the save of {path} did not complete."], {}
+    try:
+        dcp_metadata = read_metadata(path)
+    except Exception as err:
+        return [f"{path / DCP_METADATA} cannot be read ({type(err).__name__}: {err}); the file is damaged."], {}
+    problems = _shard_file_problems(path, dcp_metadata) + _key_problems(path, dcp_metadata, expected, strict)
+    metadata: dict[str, Any] = {}
+    try:
+        metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+    except Exception as err:
+        problems.append(
+            f"{path / METADATA_FILENAME} cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "the file is damaged or truncated."
+        )
+    return problems, metadata
+
+
+def _shard_file_problems(path: Path, metadata: Any) -> list[str]:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, length in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"shard file {file} is missing.")
+        elif file.stat().st_size < length:
+            problems.append(
+                f"shard file {file} is truncated: {file.stat().st_size} bytes, but the checkpoint's metadata needs "
+                f"{length}."
+            )
+    return problems
+
+
+def _key_problems(path: Path, metadata: Any, expected: dict[str, dict[str, Any]], strict: bool) -> list[str]:
+    saved = metadata.state_dict_metadata
+    missing, mismatched = [], []
+    for key, state in expected.items():
+        for name, value in state.items():
+            fqn = f"{key}.{name}"
+            if fqn not in saved:
+                missing.append(name)
+            elif isinstance(value, torch.Tensor) and tuple(getattr(saved[fqn], "size", ())) != tuple(value.shape):
+                mismatched.append(f"{name}: saved {tuple(saved[fqn].size)}, model {tuple(value.shape)}")
+    problems = []
+    if missing and strict:
+        problems.append(
+            f"{len(missing)} tensors of the model are not in {path} (e.g. {', '.join(missing[:4])}): it is another "
+            "model's checkpoint, or was saved from a different model definition."
+        )
+    if mismatched:
+        problems.append(
+            f"{len(mismatched)} tensors have other shapes in {path} than in the model (e.g. "
+            f"{'; '.join(mismatched[:3])}): it is another model's checkpoint."
+        )
+    return problems
+
+
+# ---------------------------------------------------------------- reading without arbitrary unpickling
+
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "memory_format"),
+    ("torch.serialization", "_get_layout"),  # torch.strided and friends, by name (torch's weights_only allows it)
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "Path"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata``: its own dataclasses, torch dtypes, sizes and paths, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata; refusing to load it.")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's metadata of the checkpoint at ``path``, read without running arbitrary code."""
+    with open(path / DCP_METADATA, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _safe_reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _SafeFileSystemReader
+
+
+def SafeFileSystemReader(path: Path) -> Any:
+    """DCP's ``FileSystemReader`` whose metadata is read by :func:`read_metadata`."""
+    return _safe_reader_class()(path)
+
+
+def _SafeLoadPlanner() -> Any:
+    """DCP's default load planner, with non-tensor entries read by ``torch.load(..., weights_only=True)``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                _set_at_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
+
+
+def _set_at_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Puts ``value`` in the nested state dict ``root`` at ``path`` (keys of dicts, indices of lists, as DCP's
+    flattening mappings give them), creating the containers on the way: a dict before a string key, a list (grown
+    with ``None``) before an index. What ``DefaultLoadPlanner.load_bytes`` does with a private helper of DCP."""
+    container: Any = root
+    for key, following in itertools.pairwise(path):
+        empty: Any = {} if isinstance(following, str) else []
+        if isinstance(container, dict):
+            container = container.setdefault(key, empty)
+        else:
+            assert isinstance(key, int), f"a list indexed by {key!r} in the path {path}"
+            container.extend([None] * (key + 1 - len(container)))
+            if container[key] is None:
+                container[key] = empty
+            container = container[key]
+    last = path[-1]
+    if isinstance(last, int):
+        container.extend([None] * (last + 1 - len(container)))
+    container[last] = value
