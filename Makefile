@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 DEVICES ?= 4
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo accelerate test lint bench clean
+.PHONY: help setup demo accelerate test test-quick lint docs bench clean
 
 help:  ## Show this help.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-8s\033[0m %s\n", $$1, $$2}'
@@ -28,14 +28,21 @@ demo: setup  ## Train the bundled GPT with par3d in full 3D (dp=2 x tp=2 x pp=2)
 accelerate: setup  ## The Accelerate example: the GPT at dp_shard=2 x tp=2 on 4 CPU processes (accelerate launch).
 	$(VENV)/bin/accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py strategy.tp=2
 
-test: setup  ## Run the whole test suite (unit + multi-process gloo tests).
+test: setup  ## The whole test suite, what CI runs (about 16 minutes on 2 cores).
 	$(PY) -m pytest
 
-lint: setup  ## ruff, ruff format --check, mypy and the layers (import-linter).
+test-quick: setup  ## The inner loop: no process pool or new interpreter, plus one parity case per parallelism (< 5 min).
+	$(PY) -m pytest -m quick
+
+lint: setup  ## ruff, ruff format --check, mypy, the layers (import-linter) and the docs (warnings as errors).
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+docs: setup  ## Build the docs site into docs/_build/html (Sphinx, MyST, autodoc).
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the pipeline bubble; ZeRO; callbacks' cost.
 	$(PY) benchmarks/bench_strategies.py
@@ -45,4 +52,4 @@ bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the
 	$(PY) benchmarks/bench_callbacks.py
 
 clean:  ## Remove the virtual environment and run outputs.
-	rm -rf $(VENV) outputs multirun lightning_logs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun lightning_logs smoke docs/_build .pytest_cache .mypy_cache .ruff_cache

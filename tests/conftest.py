@@ -1,10 +1,21 @@
 """Shared fixtures: the process pools (one spawn per world size per session, ``tests/harness.py``), the background
-process-tree cases (``tests/background.py``), and the parity assertions."""
+process-tree cases (``tests/background.py``), the ``new_interpreter`` fixture, and the parity assertions.
+
+**Tiers.** Each test's markers come from what it starts, never from a hand-written marker: ``dist`` from the pool it
+asks for (``pool2``, ``pool4``, ``pool8``, ``pool``), ``interpreter`` from a background case or the
+``new_interpreter`` fixture (a test that starts an interpreter any other way fails: :func:`_declared_starts`), and
+``gpu(n)`` is the devices a test needs. ``quick`` (``make test-quick``) is every test with none of them, plus
+:data:`QUICK_PARITY`: one parity case per parallelism and front-end.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +96,80 @@ def pools_of(item: pytest.Item) -> set[int]:
     if "pool" in names:
         sizes.add(item.callspec.params["pool"])  # type: ignore[attr-defined]
     return sizes
+
+
+QUICK_PARITY = (
+    "tests/test_parity.py::test_parity_two_ranks[dp_shard=2]",  # FSDP2 (ZeRO-3), the Trainer
+    "tests/test_parity.py::test_parity_two_ranks[tp=2]",  # tensor parallelism
+    "tests/test_zero.py::test_parity_each_stage_dp2[0]",  # DDP
+    "tests/test_zero.py::test_parity_each_stage_dp2[1]",  # ZeRO-1
+    "tests/test_zero.py::test_parity_each_stage_dp2[2]",  # ZeRO-2
+    "tests/test_pipeline.py::test_parity_pp2_one_stage_per_rank[1f1b]",  # pipeline parallelism
+    "tests/test_accelerate.py::test_accelerate_parity_two_ranks[dp_shard=2]",  # Accelerate
+    "tests/test_fabric_and_checkpoint.py::test_fabric_parity_dp2_tp2[plain]",  # Fabric
+    "tests/test_parity.py::test_parity_four_ranks[hsdp=2x2]",  # HSDP
+)
+"""The parity cases of the quick tier: one per parallelism and front-end (a test of this list that disappears fails
+the tier's check, ``tests/test_tiers.py``)."""
+INTERPRETER_FIXTURE = "new_interpreter"
+STARTS_INTERPRETERS = ("python", "torchrun", "accelerate", "lint-imports", "par3d")
+"""Commands (by the start of their executable's name) that start a Python interpreter."""
+
+
+@pytest.fixture
+def new_interpreter() -> Callable[..., subprocess.CompletedProcess]:
+    """What a test asks for when it starts a Python interpreter itself (``subprocess``, a console script, or par3d's
+    fresh interpreter for a dry run, an estimate or advice): ``run(args, timeout=300, **kwargs)``, a
+    ``subprocess.run`` capturing text. Asking for it marks the test ``interpreter`` (outside the quick tier)."""
+
+    def run(args: list[str], timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    return run
+
+
+def starts_interpreter(item: pytest.Item) -> bool:
+    """Whether the test starts interpreters: a background case, or the ``new_interpreter`` fixture."""
+    return bool(background.cases_of(item)) or INTERPRETER_FIXTURE in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(autouse=True)
+def _declared_starts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``interpreter`` that starts an interpreter (or par3d's fresh interpreter) fails, naming the
+    fixture to ask for: the marker cannot be wrong, so the quick tier never starts one."""
+    if request.node.get_closest_marker("interpreter") or request.node.get_closest_marker("gpu"):
+        return
+    message = (
+        f"{request.node.nodeid} starts a Python interpreter without asking for the `{INTERPRETER_FIXTURE}` fixture, "
+        "which marks it `interpreter` (outside the quick tier). Add the fixture to the test's arguments."
+    )
+    original = subprocess.Popen.__init__
+
+    def guarded(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        first = args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]
+        name = Path(str(first)).name
+        if str(first) == sys.executable or name.startswith(STARTS_INTERPRETERS):
+            raise AssertionError(message)
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    from lightning_par3d.utils import fresh_interpreter
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(message)
+
+    monkeypatch.setattr(fresh_interpreter, "call", refused)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks each test by what it starts (see the module docstring), as it is collected: before ``-m`` selects."""
+    if pools_of(item):
+        item.add_marker(pytest.mark.dist)
+    if starts_interpreter(item):
+        item.add_marker(pytest.mark.interpreter)
+    started = [m for m in ("dist", "interpreter", "gpu") if item.get_closest_marker(m)]
+    if not started or item.nodeid in QUICK_PARITY:
+        item.add_marker(pytest.mark.quick)
 
 
 @pytest.hookimpl(trylast=True)

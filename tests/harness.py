@@ -49,6 +49,7 @@ that has trained at every layout of the suite holds about 20 threads. Starting a
 process group, the first DTensor ops), so a recycle is rare by design."""
 
 PRELOAD = [
+    "tests.forkserver_guard",  # first: the server dies with the process that started it
     "torch",
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
@@ -62,7 +63,8 @@ PRELOAD = [
 ]
 """What the fork server imports once, so that a worker does not (several seconds of CPU each on a small machine):
 what every job needs, and what a job's first call would import lazily (pytest included: a worker imports the test
-module that defines a job to unpickle it)."""
+module that defines a job to unpickle it). First, ``tests.forkserver_guard``, which ties the server's life to its
+parent's."""
 
 
 class RankError(RuntimeError):

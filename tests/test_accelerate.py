@@ -13,8 +13,6 @@ from tests.accelerate_runs import accelerate_loop, single_process_loop
 from tests.conftest import assert_parity
 from tests.harness import RankError
 
-pytestmark = pytest.mark.dist
-
 
 @functools.cache
 def reference(steps: int = 6, accumulate: int = 1, clip: float | None = None, n_layer: int = 2) -> dict:

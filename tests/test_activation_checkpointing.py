@@ -83,14 +83,12 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("strategy", LAYOUTS)
 def test_parity_with_activation_checkpointing(pool2, strategy):
     got = pool2.run(run_par3d, strategy=strategy, devices=2, model=DEEP)[0]
     assert_parity(got, reference())
 
 
-@pytest.mark.dist
 def test_parity_full_checkpointing_in_3d(pool8):
     strategy = dict(pp=2, dp_shard=2, tp=2, activation_checkpointing="full")
     got = pool8.run(run_par3d, strategy=strategy, devices=8, model=DEEP, timeout=600)[0]
@@ -135,7 +133,6 @@ def probe_job(strategy: dict) -> dict:
     return probe.result
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("layout", [dict(dp_shard=2), dict(tp=2), dict(pp=2)], ids=["dp_shard=2", "tp=2", "pp=2"])
 def test_checkpointing_trades_memory_for_recompute(pool2, layout):
     """``full`` keeps at most half the activations and recomputes every block's forward (more FLOPs);

@@ -24,14 +24,12 @@ def _trained(pool: object, devices: int, rank_batch: int, **strategy: object) ->
     return results[0], layout
 
 
-@pytest.mark.dist
 def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4):
     got, layout = _trained(pool4, 4, rank_batch=2)
     assert layout.world_size == 4
     assert_parity(got, run_reference(global_batch=2 * layout.dp))
 
 
-@pytest.mark.dist
 def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8):
     """``tp=2`` stays; pp, the data-parallel sizes, the ZeRO stage, the schedule and checkpointing are searched."""
     got, layout = _trained(pool8, 8, rank_batch=4, tp=2)
@@ -39,7 +37,6 @@ def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8):
     assert_parity(got, run_reference(global_batch=4 * layout.dp))
 
 
-@pytest.mark.dist
 def test_auto_under_accelerate_plans_in_prepare_from_the_dataloader(pool4):
     from tests.accelerate_runs import accelerate_loop, single_process_loop
 
@@ -49,7 +46,6 @@ def test_auto_under_accelerate_plans_in_prepare_from_the_dataloader(pool4):
     assert_parity(got[0], single_process_loop(global_batch=2 * dp))
 
 
-@pytest.mark.dist
 def test_auto_under_fabric_plans_in_setup_module_from_plan_batch(pool4):
     """Fabric sets the model up before any dataloader: the batch's shape comes from ``plan_batch``; the loop reads
     the global batch of 8 at whatever dp was chosen."""

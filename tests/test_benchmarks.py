@@ -6,8 +6,6 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.dist
-
 
 @pytest.mark.parametrize("name", ["par3d dp2×tp2", "ModelParallel dp2×tp2", "par3d dp_replicate=4", "DDP dp=4"])
 def test_strategy_benchmark_runs(pool4, name):

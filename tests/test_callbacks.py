@@ -176,7 +176,6 @@ def observed_dp2_tp2(pool4: Any, tmp_path_factory: pytest.TempPathFactory) -> tu
     return pool4.run(observed_job, strategy=dict(dp_shard=2, tp=2), devices=4, out=str(out), estimate=True), out
 
 
-@pytest.mark.dist
 def test_memory_stats_match_independent_counts(pool4, observed_dp2_tp2):
     """dp_shard=2 × tp=2 (every dimension divisible: no padding). Parameter bytes equal the sum of each rank's
     local shards, optimizer bytes the sum of its state tensors; activations agree with the estimator's."""
@@ -226,7 +225,6 @@ def estimate_after_another_strategy_job(out: str) -> bool:
     return memory.estimated is not None
 
 
-@pytest.mark.dist
 def test_the_estimate_survives_dtensor_caches_of_an_earlier_run(pool4, tmp_path: Path):
     """The estimate runs over fake groups in a fresh interpreter. DTensor's caches (sharding decisions, redistribute
     plans) are keyed by mesh equality: an entry left from an equal mesh of an earlier run in this process would hand
@@ -234,7 +232,6 @@ def test_the_estimate_survives_dtensor_caches_of_an_earlier_run(pool4, tmp_path:
     assert pool4.run(estimate_after_another_strategy_job, out=str(tmp_path))[0], "the estimate child failed"
 
 
-@pytest.mark.dist
 def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
     """0.2 s a sample, 0.8 s a step: a sleep, which the rest of the suite cannot stretch, where the optimizer's step
     stretches with the load (at 0.05 s a sample, the optimizer came out on top once in the whole suite: 47 % of the
@@ -247,7 +244,6 @@ def test_a_slow_dataloader_is_the_top_bottleneck(pool2, tmp_path: Path):
     assert "dataloader wait" in report and "raise num_workers (now 0)" in report
 
 
-@pytest.mark.dist
 def test_the_pipeline_bubble_is_the_top_bottleneck_at_pp4_with_4_microbatches(pool4, tmp_path: Path):
     """The bubble tops the report, and its suggestion is a change predicted from the run's own buckets (or that none
     is predicted to help), each change weighed with its predicted step in the report."""
@@ -271,7 +267,6 @@ def test_the_pipeline_bubble_is_the_top_bottleneck_at_pp4_with_4_microbatches(po
     assert not any((tmp_path / f"trace_rank{rank}.json").exists() for rank in (1, 2, 3))
 
 
-@pytest.mark.dist
 def test_buckets_account_for_the_measured_step_with_tp_and_dp(pool4, observed_dp2_tp2):
     results, _ = observed_dp2_tp2
     _assert_buckets_account_for_the_step(results)

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests import background
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,15 +59,14 @@ SMALL = ("model.n_layer=2", "model.n_embd=32", "trainer.limit_val_batches=2", "c
 """A smaller model and validation for the first-day runs below; everything else is the app's default."""
 FIRST_DAY = {
     "bare": ("trainer.max_steps=50",),  # 45 batches an epoch at dp=4: validation at batch 50 crosses the epoch
-    "hsdp": ("experiment=hsdp", "trainer.max_steps=50"),
-    "tp_plan": ("strategy.tp=2", "+strategy.tp_plan={lm_head: colwise_rep}", "trainer.max_steps=3"),
-    "auto": ("strategy.layout=auto", "trainer.devices=4", "trainer.max_steps=3"),
     # 47 training windows: batches of 16, 16 and 15, as the whole text's epoch ends (2,879 = 179 × 16 + 15)
     "pp2_tp2": ("strategy.pp=2", "strategy.tp=2", "trainer.devices=4", "+data.max_bytes=3400", "trainer.max_steps=4"),
 }
-"""The commands a new user types first (README), each of which crashed once: the default validation interval was
-longer than a dp=4 epoch, and the pp=2 × tp=2 epoch ends in a batch of 15 samples, which microbatches=4 does not
-divide (its run crosses an epoch's end, on a shorter text whose last batch is 15 samples too)."""
+"""The commands a new user types first, each of which crashed once: the bare app (the default validation interval
+was longer than a dp=4 epoch), and pp=2 × tp=2 (its epoch ends in a batch of 15 samples, which microbatches=4 does
+not divide; the run crosses an epoch's end, on a shorter text whose last batch is 15 samples too). The commands the
+README and the docs show (``experiment=hsdp``, the ``tp_plan`` example, ``strategy.layout=auto`` …) run in
+``tests/test_docs.py``."""
 first_day = background.fixture(
     "first_day", lambda folder, name: (folder, train(folder, *FIRST_DAY[name], *SMALL)), params=list(FIRST_DAY)
 )
@@ -84,7 +81,6 @@ unknown_mode = background.fixture(
 )
 
 
-@pytest.mark.dist
 def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
     folder, out = dp2_tp2_app
     assert out.returncode == 0, out.stderr[-3000:]
@@ -93,7 +89,6 @@ def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
     assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
 
 
-@pytest.mark.dist
 def test_the_first_commands_a_user_types_run_to_the_end(first_day):
     folder, out = first_day
     text = out.stdout + out.stderr
@@ -115,7 +110,6 @@ def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
     )
 
 
-@pytest.mark.dist
 def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging(tp_does_not_divide_the_heads):
     """The head-count check runs after the process group exists (it needs the model), on every rank alike, so
     both processes raise and exit rather than one waiting for the other in a collective; the job's console holds
@@ -159,7 +153,6 @@ def accelerate_example(folder: Path) -> subprocess.CompletedProcess:
 accelerate_app = background.fixture("accelerate_app", accelerate_example)
 
 
-@pytest.mark.dist
 def test_make_accelerate_trains_and_prints_no_third_party_warning(accelerate_app):
     """The Accelerate example through Accelerate's own launcher trains at dp_shard=2 × tp=2 and prints no warning
     from torch, Accelerate or Lightning (it printed DTensor's "sequential all_reduce" warning on every rank, from

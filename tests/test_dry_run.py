@@ -15,7 +15,7 @@ def _batch(per_rank: int, seq: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def test_a_64_rank_layout_runs_its_first_rank_of_every_stage_with_the_estimators_model_state():
+def test_a_64_rank_layout_runs_its_first_rank_of_every_stage_with_the_estimators_model_state(new_interpreter):
     """pp2 × dp_shard8 × tp4 on 64 ranks: ranks 0 and 32 (the first of each pipeline stage) build their own shards,
     run the 1F1B schedule, step AdamW and plan a sharded checkpoint. Their parameters, gradients and optimizer state,
     counted from the tensors they hold, equal the estimator's figures for their pipeline ranks byte for byte: the
@@ -37,7 +37,7 @@ def test_a_64_rank_layout_runs_its_first_rank_of_every_stage_with_the_estimators
     assert "pp=2 × dp_replicate=1 × dp_shard=8 × tp=4 (64 ranks)" in text and "\n       32 " in text
 
 
-def test_a_model_that_breaks_at_the_layout_fails_with_the_runs_error_naming_the_rank():
+def test_a_model_that_breaks_at_the_layout_fails_with_the_runs_error_naming_the_rank(new_interpreter):
     """tp=2 cannot split 3 attention heads: the configuration checks cannot see it (it is inside the model), the
     dry run raises the error a run raises (``tests/test_cli.py`` checks the run's), with the rank named."""
     message = r"tp=2 does not divide the head count model\.transformer\.h\.0\.attn\.n_head=3"

@@ -87,7 +87,6 @@ def layout_id(layout: dict[str, Any]) -> str:
     return "x".join(f"{k}{v}" for k, v in layout.items())
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("layout", ELASTIC_LAYOUTS, ids=layout_id)
 def test_a_run_that_loses_half_its_ranks_and_gets_them_back_stays_on_the_single_process_trajectory(
     pool4, pool2, tmp_path: Path, layout: dict[str, Any]
@@ -256,7 +255,6 @@ def recovery(events: list[dict[str, Any]], killed_at: float) -> dict[str, float]
     }
 
 
-@pytest.mark.dist
 def test_torchrun_loses_a_node_and_gets_it_back_and_the_run_stays_on_the_single_process_trajectory(elastic_run):
     folder = elastic_run["folder"]
     for code, out in elastic_run["outcomes"]:
@@ -292,7 +290,6 @@ def too_small(folder: Path) -> dict[str, Any]:
 too_small_run = background.fixture("too_small_run", too_small)
 
 
-@pytest.mark.dist
 def test_a_world_too_small_for_the_fixed_sizes_ends_the_job_with_the_reason(too_small_run):
     from tests.elastic_script import TIMEOUT_S
 

@@ -67,7 +67,6 @@ def reference(clip: float | None, n_layer: int) -> dict:
     return plain_loop(None, clip=clip, n_layer=n_layer)
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     ("strategy", "clip", "n_layer"),
     [
@@ -102,7 +101,6 @@ def reuse_job() -> dict:
     return {"same": same, "error": None}
 
 
-@pytest.mark.dist
 def test_a_parallelized_model_is_reused_and_another_layout_refused(pool2):
     got = pool2.run(reuse_job)[0]
     assert got["same"]
@@ -128,7 +126,6 @@ def stale_optimizer_job() -> str:
     return ""
 
 
-@pytest.mark.dist
 def test_an_optimizer_over_foreign_tensors_is_refused(pool2):
     message = pool2.run(stale_optimizer_job)[0]
     assert "holds a tensor of shape (3,) that is not a parameter of the parallelized model" in message
@@ -164,7 +161,6 @@ def timeout_job() -> list[float]:
     return [seconds(dist.group.WORLD), seconds(mesh["dp"].get_group()), store.timeout.total_seconds()]
 
 
-@pytest.mark.dist
 def test_every_collective_gets_the_configured_timeout(pool2):
     """The default group was created by the pool, with another timeout: setup gives it, its store and the mesh's
     groups ``timeout_s``, which is also what a stalled peer is caught by."""

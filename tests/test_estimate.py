@@ -80,7 +80,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(("strategy", "pool"), LAYOUTS, indirect=["pool"])
 def test_estimate_matches_measurement(strategy, pool):
     devices = pool.world_size
@@ -122,7 +121,6 @@ def test_estimate_table_reads_per_rank():
     assert "| 0 | 0 | 0,1 |" in text and "| 1 | 1 | 2,3 |" in text
 
 
-@pytest.mark.dist
 def test_estimate_refuses_to_run_inside_a_process_group(pool2):
     got = pool2.run(_estimate_inside_a_run)
     assert all("must run before launch" in message for message in got)
@@ -210,7 +208,7 @@ def test_the_estimate_is_the_runs_own_build(monkeypatch):
     assert estimate_memory(GPTModule(**DEEP), config, 2, (8, 32)).rows[0].activations == plain.activations
 
 
-def test_the_estimate_in_a_fresh_interpreter_is_the_same():
+def test_the_estimate_in_a_fresh_interpreter_is_the_same(new_interpreter):
     """What ``MemoryStats`` runs inside a training process: the estimate in a new interpreter (the module pickled,
     batch shapes on meta) equals the one computed here, for a class the new interpreter could not import by name
     (defined in the running script, ``__main__``, the usual place for a training script's module): it travels by
@@ -225,7 +223,6 @@ def test_the_estimate_in_a_fresh_interpreter_is_the_same():
     assert fresh.rows == expected
 
 
-@pytest.mark.dist
 def test_the_dry_run_and_the_plan_hold_what_the_run_of_the_demo_layout_measures(pool8):
     """The demo's layout (pp=2 × dp_shard=2 × tp=2) trained on 8 ranks, against the dry run of its first rank of each
     pipeline stage (each alone in a process, over a fake process group) and the plan's row for it: the dry run holds

@@ -16,8 +16,6 @@ from tests.constants import BF16_MIXED_RTOL, DATA, MODEL, ONE_BATCH_EPOCHS, SEED
 from tests.fabric_runs import FABRIC_MODEL, fabric_checkpoint_job
 from tests.gpt_runs import full_state, run_par3d
 
-pytestmark = pytest.mark.dist
-
 FABRIC_DATA = {k: v for k, v in DATA.items()}
 
 

@@ -38,14 +38,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests import background
 from tests.constants import FAULT_DATA, FAULT_STEP, FAULT_TIMEOUT_S
 from tests.gpt_runs import run_par3d, run_reference
-
-pytestmark = pytest.mark.dist
 
 SCRIPT = Path(__file__).with_name("fault_script.py")
 ENDS_WITHIN_S = FAULT_TIMEOUT_S + 30
@@ -305,7 +302,7 @@ def test_the_failure_message_carries_the_whole_error() -> None:
     assert "    line 39" in many and "line 40" not in many and "(60 more lines)" in many
 
 
-def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers() -> None:
+def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers(new_interpreter) -> None:
     """The interpreter's shutdown garbage collection took seconds of a failed rank's exit on a busy node: after a
     failure the heap is frozen at exit, and the exit handlers registered before the failure still run."""
     script = (

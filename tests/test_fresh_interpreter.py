@@ -1,5 +1,6 @@
 """``lightning_par3d.utils.fresh_interpreter.call``: each call in a process of its own that shares nothing of the
-caller's torch state, forked from one clean server per calling process; errors, exits and timeouts come back as errors."""
+caller's torch state, forked from one clean server per calling process; errors, exits and timeouts come back as
+errors."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def sleep_forever() -> None:
 
 
 @LINUX
-def test_each_call_is_a_new_child_of_one_server_with_the_callers_environment_and_directory(tmp_path, monkeypatch):
+def test_each_call_is_a_new_child_of_one_server_with_the_callers_environment_and_directory(
+    new_interpreter, tmp_path, monkeypatch
+):
     here = os.getcwd()
     monkeypatch.setenv("PAR3D_TEST_TAG", "first")
     monkeypatch.setenv("RANK", "3")  # a rank's variables stay out: the child is no rank of the caller's job
@@ -63,19 +66,19 @@ def test_each_call_is_a_new_child_of_one_server_with_the_callers_environment_and
     assert first["rank"] is None and not first["group"] and (first["arg"], second["arg"]) == ("a", "b")
 
 
-def test_what_the_function_raises_is_raised_here_with_the_childs_traceback():
+def test_what_the_function_raises_is_raised_here_with_the_childs_traceback(new_interpreter):
     with pytest.raises(Refused, match="here is why") as info:
         call(refuse, what="the refusal")
     assert "fresh interpreter of the refusal" in info.value.__notes__[0]
 
 
-def test_a_child_that_exits_without_a_result_is_an_error_with_its_code_and_last_words():
+def test_a_child_that_exits_without_a_result_is_an_error_with_its_code_and_last_words(new_interpreter):
     with pytest.raises(RuntimeError, match=r"the exit: its interpreter exited with code 3 and no result:\nlast words"):
         call(exit_without_result, what="the exit")
 
 
 @LINUX
-def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call():
+def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call(new_interpreter):
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="the sleep did not finish within 1 s"):
         call(sleep_forever, what="the sleep", timeout_s=1)
@@ -84,7 +87,7 @@ def test_a_timeout_kills_the_child_and_the_server_serves_the_next_call():
 
 
 @LINUX
-def test_a_timeout_before_the_server_answers_leaves_no_answer_for_the_next_call():
+def test_a_timeout_before_the_server_answers_leaves_no_answer_for_the_next_call(new_interpreter):
     """A call that times out while a just-started server is still importing: the next call gets its own result, not
     the answers the server owed the first."""
     fresh_interpreter.stop_server()
@@ -94,7 +97,7 @@ def test_a_timeout_before_the_server_answers_leaves_no_answer_for_the_next_call(
 
 
 @LINUX
-def test_a_server_that_died_is_started_again_and_stop_server_ends_it():
+def test_a_server_that_died_is_started_again_and_stop_server_ends_it(new_interpreter):
     before = call(where_am_i, "before")["parent"]
     os.kill(before, 9)  # whether the next call finds it dead or it dies under that call, a new server serves it
     after = call(where_am_i, "after")["parent"]
@@ -103,7 +106,7 @@ def test_a_server_that_died_is_started_again_and_stop_server_ends_it():
     assert not Path(f"/proc/{after}").exists()
 
 
-def test_without_fork_each_call_is_a_new_interpreter_of_its_own(monkeypatch, tmp_path):
+def test_without_fork_each_call_is_a_new_interpreter_of_its_own(new_interpreter, monkeypatch, tmp_path):
     """macOS and Windows: no server, a new ``python`` per call, with the same environment, directory and errors."""
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setenv("PAR3D_TEST_TAG", "plain")

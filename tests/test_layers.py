@@ -36,7 +36,7 @@ def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_layers_contract_holds_and_fails_on_an_upward_import(tmp_path):
+def test_the_layers_contract_holds_and_fails_on_an_upward_import(new_interpreter, tmp_path):
     """The tree as it is keeps both contracts; a copy in which the configuration imports the engine breaks the
     layers one, naming the import."""
     done = _lint_imports(REPO)
@@ -93,7 +93,7 @@ REGISTERED = (
 )
 
 
-def test_the_engine_imports_without_lightning_and_the_package_registers_par3d_when_lightning_comes():
+def test_the_engine_imports_without_lightning_and_the_package_registers_par3d_when_lightning_comes(new_interpreter):
     """A plain torch loop or an Accelerate script that imports the engine pays no Lightning import; importing
     Lightning afterwards still registers "par3d" with the Trainer and Fabric."""
     got = _fresh(
@@ -112,7 +112,7 @@ IMPORT_ORDERS = {
 
 
 @pytest.mark.parametrize("order", list(IMPORT_ORDERS))
-def test_importing_the_package_registers_par3d_whatever_the_import_order(order):
+def test_importing_the_package_registers_par3d_whatever_the_import_order(new_interpreter, order):
     got = _fresh(f"import warnings; warnings.simplefilter('error', UserWarning)\n{IMPORT_ORDERS[order]}\n" + REGISTERED)
     assert got == "Par3DStrategy Par3DFabricStrategy"
 

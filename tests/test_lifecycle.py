@@ -33,8 +33,6 @@ from tests.gpt_runs import (
 )
 from tests.harness import RankError
 
-pytestmark = pytest.mark.dist
-
 # 48 training windows (whole global batches: no sampler pads) and 16 held-out ones (divisible by every dp).
 LIFE_DATA = dict(block_size=32, max_bytes=2051, val_fraction=0.25)
 # The second fit builds a fresh AdamW (Lightning calls configure_optimizers again), whose first step moves every weight
@@ -315,7 +313,7 @@ def test_fabric_resume_at_another_layout(pool4, tmp_path, before, after):
 # ---------------------------------------------------------------- releasing the meshes
 
 
-def test_destroy_meshes_releases_the_groups_threads():
+def test_destroy_meshes_releases_the_groups_threads(new_interpreter):
     """par3d keeps one mesh per layout for the life of the process (DTensor's caches), and
     ``groups.destroy_meshes()`` gives their process groups and transport threads back. A fresh 2-process job
     (``tests/mesh_threads_script.py``), not the pool: destroyed meshes would poison later jobs at the same layout in

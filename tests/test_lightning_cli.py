@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import typing
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -152,11 +152,9 @@ def _check_cli_run(folder: Path, out: subprocess.CompletedProcess) -> None:
     assert "class_path: lightning_par3d.Par3DStrategy" in saved and "tp: 2" in saved
 
 
-@pytest.mark.dist
 def test_lightning_cli_trains_at_tp2_from_the_command_line(cli_command_line):
     _check_cli_run(*cli_command_line)
 
 
-@pytest.mark.dist
 def test_lightning_cli_trains_at_tp2_from_a_yaml(cli_yaml):
     _check_cli_run(*cli_yaml)

@@ -119,7 +119,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(("strategy", "dp"), LAYOUTS)
 def test_validation_metrics_equal_one_process(pool4, strategy, dp):
     per_rank = pool4.run(validate, strategy=strategy, devices=4)
@@ -131,14 +130,12 @@ def test_validation_metrics_equal_one_process(pool4, strategy, dp):
     assert ref["val_samples"] == 16 and ref["val_tokens"] == 16 * 32
 
 
-@pytest.mark.dist
 def test_validation_metrics_in_full_3d(pool8):
     per_rank = pool8.run(validate, strategy=dict(pp=2, dp_shard=2, tp=2), devices=8)
     for got in per_rank:
         assert_metrics_match(got, reference())
 
 
-@pytest.mark.dist
 def test_metrics_synced_over_the_world_would_be_caught(pool4):
     """The sabotage check: syncing over every rank (tp peers counted twice) fails the comparison."""
     got = pool4.run(validate, strategy=dict(dp_shard=2, tp=2), devices=4, world_sync=True)[0]
@@ -186,7 +183,6 @@ def metric_states_job(where: str, init: str) -> dict[str, Any]:
     return states
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("init", ["rank0", "meta"])
 @pytest.mark.parametrize("where", ["init", "configure_model"])
 def test_metric_states_survive_the_build(pool2, where, init):
@@ -223,7 +219,6 @@ def fit_monitoring_val_acc(strategy: dict[str, Any] | None, ckpt_dir: str, devic
     return {"best": checkpoint.best_model_path.rsplit("/", 1)[-1], "score": float(checkpoint.best_model_score)}
 
 
-@pytest.mark.dist
 def test_model_checkpoint_monitoring_val_acc_picks_the_single_process_epoch(pool4, tmp_path):
     got = pool4.run(fit_monitoring_val_acc, strategy=dict(pp=2, tp=2), ckpt_dir=str(tmp_path / "par3d"), devices=4)
     ref = fit_monitoring_val_acc(None, str(tmp_path / "one"))
@@ -286,7 +281,6 @@ def throughput_job(steps: int = 8, window: int = 4) -> dict[str, Any]:
     return {"metrics": last, "times": ends.times}
 
 
-@pytest.mark.dist
 def test_throughput_counts_each_sample_once(pool4):
     got = pool4.run(throughput_job)[0]
     metrics, times = got["metrics"], got["times"]

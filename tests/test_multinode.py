@@ -91,7 +91,6 @@ def check_parity(folder: Path, i: int) -> None:
     assert_parity(got, run_reference())
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("i", range(len(TORCHRUN_LAYOUTS)), ids=[json.dumps(c) for c in TORCHRUN_LAYOUTS])
 def test_two_torchrun_agents_train_a_layout_that_spans_both_nodes_as_one_process_does(torchrun_run, i):
     folder, outcomes = torchrun_run
@@ -99,7 +98,6 @@ def test_two_torchrun_agents_train_a_layout_that_spans_both_nodes_as_one_process
     check_parity(folder, i)
 
 
-@pytest.mark.dist
 def test_groups_sit_where_the_launcher_put_the_nodes(torchrun_run):
     """tp and HSDP's shards inside a node; HSDP's replicas and the pipeline's stages across; tp=4 across, with the
     warning (printed once, by rank 0)."""
@@ -124,7 +122,6 @@ def test_groups_sit_where_the_launcher_put_the_nodes(torchrun_run):
     assert "Keep tp a divisor of 2 (tp=2)" in printed
 
 
-@pytest.mark.dist
 def test_ranks_started_as_slurm_starts_them_train_as_one_process_does(slurm_run):
     folder, outcomes = slurm_run
     check_launch(outcomes)

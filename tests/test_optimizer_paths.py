@@ -19,8 +19,6 @@ from tests.conftest import assert_parity
 from tests.gpt_runs import DATA, GLOBAL_BATCH, MODEL, SEED, LossRecorder, full_state, run_reference, trainer_kwargs
 from tests.harness import RankError
 
-pytestmark = pytest.mark.dist
-
 
 class OptionsGPT(GPTModule):
     """The example GPT with extra AdamW options, as a user passes them."""

@@ -239,7 +239,6 @@ def test_pipeline_call_with_a_mask_is_refused_for_a_trunk_without_one():
 # ---------------------------------------------------------------- pipelined runs against one process
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batches_at_pp2(pool2, side):
     ref = reference(side)
@@ -249,14 +248,12 @@ def test_padded_batches_at_pp2(pool2, side):
     assert_parity(got, ref)
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batches_at_pp2_tp2(pool4, side):
     got = pool4.run(run_padded_par3d, strategy=dict(pp=2, tp=2, tp_plan="auto"), devices=4, side=side)[0]
     assert_parity(got, reference(side))
 
 
-@pytest.mark.dist
 def test_mask_given_to_a_trunk_without_one_is_refused_on_every_rank(pool2):
     with pytest.raises(RankError, match=r"pipelined GPT cannot take the keyword argument 'attention_mask'") as info:
         pool2.run(run_masked_gpt, strategy=dict(pp=2), devices=2, timeout=120)

@@ -107,14 +107,12 @@ def test_bad_pipeline_settings(fields, message):
 # ---------------------------------------------------------------- parity
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_parity_pp2_one_stage_per_rank(pool2, schedule):
     got = pool2.run(run_par3d, strategy=dict(pp=2, pipeline_schedule=schedule), devices=2)[0]
     assert_parity(got, reference())
 
 
-@pytest.mark.dist
 def test_parity_pp2_with_explicit_split_points(pool2):
     """An uneven split at a named block: stage 0 holds blocks 0–2, stage 1 holds block 3."""
     strategy = dict(pp=2, split_points=["transformer.h.3"])
@@ -122,7 +120,6 @@ def test_parity_pp2_with_explicit_split_points(pool2):
     assert_parity(got, reference(n_layer=4))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]
 )
@@ -132,7 +129,6 @@ def test_parity_pp2_two_stages_per_rank(pool2, schedule):
     assert_parity(got, reference(n_layer=4))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -147,7 +143,6 @@ def test_parity_pp_four_ranks(pool4, strategy):
     assert_parity(got, reference(n_layer=4))
 
 
-@pytest.mark.dist
 def test_parity_pp_with_clipping_and_accumulation(pool4):
     """Clipping by the norm over both stages and both dp shards, with accumulate_grad_batches=2 across pipeline
     steps, at pp=2 × dp_shard=2."""
@@ -156,7 +151,6 @@ def test_parity_pp_with_clipping_and_accumulation(pool4):
     assert_parity(got, reference(n_layer=4, **overrides))
 
 
-@pytest.mark.dist
 def test_parity_full_3d_on_eight_ranks(pool8):
     got = pool8.run(run_par3d, strategy=dict(pp=2, dp_shard=2, tp=2), devices=8, model=DEEP, timeout=600)[0]
     assert_parity(got, reference(n_layer=4))
@@ -165,7 +159,6 @@ def test_parity_full_3d_on_eight_ranks(pool8):
 # ---------------------------------------------------------------- Lightning's view
 
 
-@pytest.mark.dist
 def test_logged_training_loss_and_validation_metrics_agree_on_every_rank(pool4):
     overrides = dict(limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
     results = pool4.run(run_par3d, strategy=dict(pp=2, tp=2), devices=4, model=DEEP, **overrides)
@@ -176,7 +169,6 @@ def test_logged_training_loss_and_validation_metrics_agree_on_every_rank(pool4):
         assert other["metrics"] == first["metrics"]
 
 
-@pytest.mark.dist
 def test_pp_resume_continues_the_loss_trajectory(pool4, tmp_path):
     assert_resume_continues(pool4, str(tmp_path), 6, strategy=dict(pp=2, dp_shard=2), devices=4, model=DEEP)
 
@@ -184,7 +176,6 @@ def test_pp_resume_continues_the_loss_trajectory(pool4, tmp_path):
 # ---------------------------------------------------------------- errors, not hangs
 
 
-@pytest.mark.dist
 def test_too_few_blocks_for_the_stages(pool2):
     with pytest.raises(RankError) as err:
         pool2.run(run_par3d, strategy=dict(pp=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2), devices=2)
@@ -194,7 +185,6 @@ def test_too_few_blocks_for_the_stages(pool2):
     )
 
 
-@pytest.mark.dist
 def test_batch_not_divisible_by_microbatches(pool2):
     """A full batch that microbatches does not divide fails at setup, before the first step, naming the loader."""
     with pytest.raises(RankError) as err:
@@ -208,7 +198,6 @@ PARTIAL = dict(max_bytes=1210)
 """30 training windows: one process reads batches of 8, 8, 8 and 6; two data-parallel ranks 4, 4, 4 and 3 each."""
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("pool", [2, 4], indirect=True, ids=["pp=2", "pp=2xdp_shard=2"])
 def test_a_partial_last_batch_trains_as_one_process_trains_it(pool):
     """The epoch's last batch (6 samples at pp=2, 3 per rank at pp=2 × dp_shard=2) is not divisible by
@@ -254,7 +243,6 @@ def predict_job(strategy: dict) -> list | None:
     return trainer.predict(GPTModule(**MODEL), dataloaders=loader)
 
 
-@pytest.mark.dist
 def test_predict_returns_logits_on_the_last_stage(pool2):
     import lightning as L
     from torch.utils.data import DataLoader

@@ -304,7 +304,7 @@ def test_calibrate_measures_this_machine():
 # ---------------------------------------------------------------- the command line
 
 
-def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
+def test_command_line_prints_the_ranked_table_and_plots(new_interpreter, tmp_path):
     """From the Hydra app's model config (its arguments overridden), saying which model it built."""
     png = tmp_path / "plan.png"
     done = subprocess.run(
@@ -326,7 +326,7 @@ def test_command_line_prints_the_ranked_table_and_plots(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000
 
 
-def test_command_line_refuses_bad_input_with_the_reason():
+def test_command_line_refuses_bad_input_with_the_reason(new_interpreter):
     done = subprocess.run(
         [sys.executable, "-m", "lightning_par3d", "plan", "--module", "examples.gpt:GPTModule", "--world-size", "8",
          "--batch", "16", "--seq", "32", "--fixed", "tp=3"],
@@ -357,7 +357,6 @@ def test_benchmark_statistics():
     assert got["median_relative_error"] == pytest.approx(0.2 / 1.2)
 
 
-@pytest.mark.dist
 def test_benchmark_trains_a_planned_layout(pool4):
     """The benchmark's run of one layout the plan lists (a few steps, on the transformers Qwen2 of its three models:
     tied embeddings, so the plan lists no pipeline for it), so that it cannot rot between uses."""

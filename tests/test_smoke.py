@@ -1,4 +1,4 @@
-"""``python -m lightning_par3d.tools.smoke``: a user's model at a layout against pure data parallelism, on gloo here (the
+"""``par3d smoke``: a user's model at a layout against pure data parallelism, on gloo here (the
 same command runs on GPUs under torchrun in the reusable workflow, ``.github/workflows/gpu-smoke.yml``)."""
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ def smoke_job(argv: list[str]) -> tuple[int, dict[str, Any]]:
     return smoke(parser().parse_args([*argv, "--accelerator", "cpu", "--timeout-s", "120"]))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "transformers-llama"])
 @pytest.mark.parametrize("layout", ["dp_shard=2,tp=2", "pp=2,tp=2"])
 def test_the_smoke_test_passes_a_model_that_trains_right(pool4, model, layout):
@@ -38,9 +37,9 @@ def test_the_smoke_test_passes_a_model_that_trains_right(pool4, model, layout):
 
 
 def _diverging(folder: Path) -> Any:
-    """``python -m lightning_par3d.tools.smoke`` on a model planted to diverge at tp=2, launching its own 2 CPU ranks."""
+    """``python -m lightning_par3d smoke`` on a model planted to diverge at tp=2, launching its own 2 CPU ranks."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    command = [sys.executable, "-m", "lightning_par3d.tools.smoke", "--module", "tests.smoke_models:ShardDependentGPT",
+    command = [sys.executable, "-m", "lightning_par3d", "smoke", "--module", "tests.smoke_models:ShardDependentGPT",
                *GPT[2:], *DATA, "--layout", "tp=2", "--devices", "2", "--accelerator", "cpu", "--steps", "3",
                "--out", str(folder)]  # fmt: skip
     return folder, background.run(command, timeout=600, cwd=ROOT, env=env)
@@ -49,7 +48,6 @@ def _diverging(folder: Path) -> Any:
 smoke_diverges = background.fixture("smoke_diverges", _diverging)
 
 
-@pytest.mark.dist
 def test_the_smoke_test_fails_a_model_that_diverges_at_the_layout(smoke_diverges):
     """The model scales its MLPs by the share of a weight its rank holds: at tp=2 each rank holds half, so the
     layout's losses leave data parallelism's, and the command says so and exits 1, from a launch of its own
@@ -71,7 +69,7 @@ def test_a_layout_that_does_not_divide_is_refused_before_any_process(capsys):
 
 
 def test_the_layout_is_read_as_par3d_fields():
-    from lightning_par3d.tools.smoke import parse_pairs
+    from lightning_par3d.tools.loading import parse_pairs
 
     assert parse_pairs("pp=2, dp_shard=2,tp=2,pipeline_schedule=gpipe", "--layout") == {
         "pp": 2, "dp_shard": 2, "tp": 2, "pipeline_schedule": "gpipe"

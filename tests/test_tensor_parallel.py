@@ -332,7 +332,6 @@ def view_warning_job(in_place: bool) -> dict:
     return {"warnings": [], "error": None}
 
 
-@pytest.mark.dist
 def test_the_roots_view_under_tp_is_not_a_silent_risk(pool4):
     """Under tp the root returns the LM head's gathered logits, a view that ``DTensor.to_local`` made in a custom
     autograd Function. FSDP2 warns about views it returns (an in-place op would drop its pre-backward hook); par3d

@@ -39,13 +39,11 @@ def reference(name: str) -> dict:
 # ---------------------------------------------------------------- tensor parallelism with the model's own plan
 
 
-@pytest.mark.dist
 def test_llama_own_plan_at_tp2(pool2):
     got = pool2.run(run_par3d, strategy=dict(tp=2, tp_plan="auto"), devices=2, model=ARCHITECTURES["llama"])[0]
     assert_parity(got, reference("llama"))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "name, strategy",
     [
@@ -62,13 +60,11 @@ def test_own_plan_at_four_ranks(pool4, name, strategy):
     assert_parity(got, reference(name))
 
 
-@pytest.mark.dist
 def test_llama_own_plan_under_hsdp_and_tp(pool8):
     strategy = dict(dp_replicate=2, dp_shard=2, tp=2, tp_plan="auto")
     assert_parity(pool8.run(run_par3d, strategy=strategy, devices=8)[0], reference("llama"))
 
 
-@pytest.mark.dist
 def test_packed_gate_up_projection_at_tp2_then_resume_at_another_layout(pool4, tmp_path):
     """A Phi-3 plan with ``packed_colwise`` ``gate_up_proj`` (each rank holds [gate_r; up_r]) at dp2×tp2: parity;
     its checkpoint (the interleaved shards saved as the whole tensor's rows) resumes at pp2×dp2 and continues the
@@ -89,14 +85,12 @@ def test_packed_gate_up_projection_at_tp2_then_resume_at_another_layout(pool4, t
 # ---------------------------------------------------------------- pipelining an unmodified model
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
 def test_pipeline_pp2_1f1b(pool2, name):
     got = pool2.run(run_par3d, strategy=dict(pp=2), devices=2, model=ARCHITECTURES[name])[0]
     assert_parity(got, reference(name))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "name, strategy",
     [
@@ -120,7 +114,6 @@ def test_pipeline_at_four_ranks(pool4, name, strategy):
     assert_parity(got, reference(name))
 
 
-@pytest.mark.dist
 def test_models_own_plan_under_pipelining_and_tensor_parallelism(pool4):
     """The module's ``tp_plan`` hook returns the transformers model's own plan (``dict(self.model.tp_plan)``) at
     pp2×tp2: each stage applies the entries of the modules it holds (the LM head's entry is skipped on the first
@@ -129,7 +122,6 @@ def test_models_own_plan_under_pipelining_and_tensor_parallelism(pool4):
     assert_parity(got, reference("llama"))
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("own_plan", [True, False], ids=["own-plan", "tp_plan-auto"])
 def test_models_own_plan_in_full_3d(pool8, own_plan):
     """pp2 × dp_shard2 × tp2 on 8 ranks, with the model's own plan from the module's hook and with ``"auto"``."""
@@ -138,7 +130,6 @@ def test_models_own_plan_in_full_3d(pool8, own_plan):
     assert_parity(got, reference("llama"))
 
 
-@pytest.mark.dist
 def test_plan_entry_matching_nothing_on_any_stage_is_refused_by_name(pool4):
     """Skipping the entries of modules another stage holds does not hide a pattern that matches nothing at all."""
     plan = {"lm_head": "colwise_gather_output", "model.layers.*.self_attn.qq_proj": "colwise"}
@@ -156,7 +147,6 @@ def test_tied_embeddings_are_refused_under_pipelining():
         check_pipelinable(lm.model)
 
 
-@pytest.mark.dist
 def test_tied_embeddings_under_pipelining_fail_the_same_way_on_every_rank(pool2):
     with pytest.raises(RankError, match="tie_word_embeddings=False") as info:
         pool2.run(run_par3d, strategy=dict(pp=2), devices=2, model=ARCHITECTURES["qwen2-tied"])
@@ -166,7 +156,6 @@ def test_tied_embeddings_under_pipelining_fail_the_same_way_on_every_rank(pool2)
 # ---------------------------------------------------------------- weights in and out
 
 
-@pytest.mark.dist
 def test_pretrained_round_trip_at_pp2_tp2(pool4, tmp_path):
     """A tiny random model written by ``save_pretrained`` (several safetensors files) is read into par3d at
     pp2×tp2 without any rank building or reading the whole model; its weights equal ``from_pretrained``'s bit for
@@ -266,7 +255,6 @@ def test_pretrained_needs_a_directory():
 # ---------------------------------------------------------------- Accelerate
 
 
-@pytest.mark.dist
 def test_accelerate_trains_an_unmodified_llama_at_dp2_tp2(pool4):
     """``Par3DAccelerator(par3d=Par3DConfig(dp_shard=2, tp=2, tp_plan="auto"))`` with a plain
     ``AutoModelForCausalLM`` and a loss on its output."""
@@ -274,7 +262,6 @@ def test_accelerate_trains_an_unmodified_llama_at_dp2_tp2(pool4):
     assert_parity(got, accelerate_hf_loop(None))
 
 
-@pytest.mark.dist
 def test_accelerate_pipelines_an_unmodified_llama(pool4):
     got = pool4.run(accelerate_hf_loop, strategy=dict(pp=2, tp=2))[0]
     assert_parity(got, accelerate_hf_loop(None))

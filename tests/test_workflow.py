@@ -70,7 +70,7 @@ def test_no_package_index_host_in_the_tracked_files():
     assert not found, found
 
 
-def test_a_gpu_session_that_must_have_gpus_fails_without_them():
+def test_a_gpu_session_that_must_have_gpus_fails_without_them(new_interpreter):
     """``PAR3D_REQUIRE_GPUS=2 pytest -m gpu`` on a machine without them exits non-zero and says why, where the GPU
     tests would otherwise all skip and pass."""
     import torch

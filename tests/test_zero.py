@@ -110,21 +110,18 @@ def test_precision_that_a_stage_cannot_serve_fails_before_launch():
 # ---------------------------------------------------------------- parity
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("stage", STAGES)
 def test_parity_each_stage_dp2(pool2, stage):
     got = pool2.run(run_par3d, strategy=dict(zero_stage=stage), devices=2)[0]
     assert_parity(got, reference())
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("stage", STAGES)
 def test_parity_each_stage_dp4(pool4, stage):
     got = pool4.run(run_par3d, strategy=dict(zero_stage=stage), devices=4)[0]
     assert_parity(got, reference())
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -139,7 +136,6 @@ def test_parity_zero_with_tp_and_replicas(pool4, strategy):
     assert_parity(got, reference())
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("stage", [1, 2])
 def test_parity_zero_with_clipping_and_accumulation(pool4, stage):
     """Stage 2 clips by the norm over every rank's gradient rows; both stages accumulate over 2 batches (stage 1
@@ -159,7 +155,6 @@ def run_with_warnings(**kwargs: Any) -> dict:
     return {**result, "warnings": [str(w.message) for w in caught]}
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("stage", [1, 2])
 def test_parity_zero_with_an_lr_scheduler(pool2, stage):
     """A step-wise LambdaLR warm-up bound to the module's AdamW: the ZeRO wrapper shares its parameter groups, so
@@ -173,14 +168,12 @@ def test_parity_zero_with_an_lr_scheduler(pool2, stage):
     assert not [w for w in got["warnings"] if "lr_scheduler.step()" in w], got["warnings"]
 
 
-@pytest.mark.dist
 def test_parity_zero1_under_pipelining(pool4):
     """pp=2 × dp_shard=2 at ZeRO-1: gradients stay local through the schedule and are all-reduced once."""
     got = pool4.run(run_par3d, strategy=dict(zero_stage=1, pp=2), devices=4, model=dict(n_layer=4))[0]
     assert_parity(got, reference(n_layer=4))
 
 
-@pytest.mark.dist
 def test_parity_offload_stage3(pool2):
     got = pool2.run(run_par3d, strategy=dict(zero_stage=3, offload=True), devices=2)[0]
     assert_parity(got, reference())
@@ -221,7 +214,6 @@ def memory_job(stage: int, devices: int) -> dict:
     return {"measured": probe.measured, "shapes": shapes, "n": layout.dp_shard, "index": index, "zero": layout.zero}
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("pool", [2, 4, 8], indirect=True)
 def test_measured_bytes_match_the_zero_formulas(pool):
     for stage in STAGES:
@@ -237,13 +229,11 @@ def test_measured_bytes_match_the_zero_formulas(pool):
 # ---------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_restores_each_stage(pool2, tmp_path: Path, stage):
     assert_resume_continues(pool2, str(tmp_path), 8, strategy=dict(zero_stage=stage), devices=2)
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "strategy",
     [dict(zero_stage=1, dp_shard=4), dict(zero_stage=2, dp_shard=2, tp=2), dict(zero_stage=1, pp=2, dp_shard=2)],
@@ -299,7 +289,6 @@ def single_process_adam_state(steps: int) -> dict:
     return {name: dict(optimizer.state[p]) for name, p in model.named_parameters()}
 
 
-@pytest.mark.dist
 def test_full_export_is_the_single_process_optimizer_state(pool4):
     """The gathered ZeRO-1 state (tp and dp pieces put together) equals, per parameter, the AdamW state of one
     process that trained the same steps; loading it back restores every rank's rows exactly."""
@@ -333,7 +322,6 @@ def non_elementwise_job() -> None:
     trainer.fit(Adafactor(**MODEL), ShakespeareDataModule(batch_size=4, **DATA))
 
 
-@pytest.mark.dist
 def test_non_elementwise_optimizer_is_refused_on_every_rank(pool2):
     with pytest.raises(RankError) as err:
         pool2.run(non_elementwise_job, timeout=120)

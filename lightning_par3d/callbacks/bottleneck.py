@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par3d.callbacks.bottleneck_analysis import (
@@ -437,8 +438,6 @@ def _last_step_blocks(events: list[Event], pp: bool) -> list[Block]:
 
 def _gather(mine: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Every rank's figures on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []

@@ -35,6 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
@@ -200,8 +201,6 @@ class MemoryStats(L.Callback):
 
 
 def _all_gather(values: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return [values]
     values = values.to(device)
@@ -211,8 +210,6 @@ def _all_gather(values: torch.Tensor, device: torch.device) -> list[torch.Tensor
 
 
 def _gather_records(records: list[MemoryRecord]) -> list[MemoryRecord] | None:
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return records
     everyone: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []

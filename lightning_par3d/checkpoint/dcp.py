@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -55,7 +56,6 @@ def full_state_dict(module: nn.Module, holds_copy: bool = True, dst: int = 0) ->
     Each DTensor is gathered over its own mesh (``full_tensor()``, a collective of its tp and dp peers), then the
     entries of every rank for which ``holds_copy`` is True (one rank per pipeline stage suffices: the others hold
     the same values) are merged on ``dst``. Every rank must call it. ``dst`` ends up holding the whole model."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     state: dict[str, torch.Tensor] = {}
@@ -237,8 +237,6 @@ def check_checkpoint(
     collective), and every rank raises the same ``ValueError`` naming the files and what is wrong, if any rank
     found anything.
     """
-    import torch.distributed as dist
-
     problems, metadata = _local_problems(path, expected, strict, weights_only)
     if dist.is_initialized():
         everyone: list[Any] = [None] * dist.get_world_size()

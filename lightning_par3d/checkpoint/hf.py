@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back
@@ -107,8 +108,6 @@ def _problems(path: str, wanted: dict[str, Any], saved: dict[str, Any]) -> list[
 
 
 def _agree_on_problems(problems: list[str]) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, problems)

@@ -18,13 +18,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch.distributed as dist
+
 from lightning_par3d.utils.torch_private import clear_sharding_propagation_cache
 
 
 def check_no_process_group(what: str) -> None:
     """Raises where a default process group exists: the planner simulates every rank in this one process."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             f"{what} simulates every rank in this process with torch's fake process group, so it runs before launch "
@@ -55,8 +55,6 @@ def forget_meshes() -> Iterator[None]:
 @contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
     """A default process group of torch's fake backend, in which this process plays rank 0 of ``world_size``."""
-    import torch.distributed as dist
-
     check_no_process_group("The planner")
     with keep_excepthook(), forget_meshes():
         dist.init_process_group("fake", rank=0, world_size=world_size)

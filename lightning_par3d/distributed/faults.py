@@ -17,6 +17,8 @@ import contextlib
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from lightning_par3d.utils.torch_private import default_store
 
 FIRST_FAILURE = "par3d/first_failure"
@@ -27,8 +29,6 @@ _MORE_LINES = 40
 
 
 def _store() -> Any:
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:

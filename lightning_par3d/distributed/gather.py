@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -40,7 +41,6 @@ def only_tensors(data: Any) -> bool:
 def gather_tensors(data: Any, group: Any, size: int) -> Any:
     """Every tensor of ``data`` from the ``size`` ranks of ``group``, concatenated on the first dimension (a scalar
     counts as one row), on every rank of the group."""
-    import torch.distributed as dist
 
     def gathered(t: torch.Tensor) -> torch.Tensor:
         t = t.reshape(1) if t.dim() == 0 else t
@@ -53,8 +53,6 @@ def gather_tensors(data: Any, group: Any, size: int) -> Any:
 
 def gather_objects(items: list[Any], group: Any, size: int) -> list[Any]:
     """The lists ``items`` of the ``size`` ranks of ``group``, concatenated in rank order (pickled)."""
-    import torch.distributed as dist
-
     parts: list[Any] = [None] * size
     dist.all_gather_object(parts, items, group=group)
     return [item for part in parts for item in part]

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def _group_key(grad: torch.Tensor) -> Any:
@@ -31,8 +32,6 @@ def total_grad_norm(grads: Iterable[torch.Tensor], norm_type: float = 2.0, pp_gr
     total = _local_total_norm(grads, norm_type)
     if pp_group is None:
         return total
-    import torch.distributed as dist
-
     if norm_type == float("inf"):
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
         return total
@@ -65,8 +64,6 @@ def _group_norm(members: list[Any], norm_type: float) -> torch.Tensor:
     over the mesh dimensions on which one tensor's norm is partial (those it is sharded on, as DTensor's own norm
     says). Stacking the per-tensor DTensor norms instead, as ``get_total_norm`` would, makes DTensor redistribute
     them, and it warns on every rank about "sequential all_reduce operations" over two partial dimensions."""
-    import torch.distributed as dist
-
     partial = torch.linalg.vector_norm(members[0], norm_type)  # DTensor's placements of one member's norm
     dims = [i for i, placement in enumerate(partial.placements) if placement.is_partial()]
     local = _plain_norm([m.to_local() for m in members], norm_type)

@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_par3d.config import Layout
 from lightning_par3d.distributed.mesh import Par3DMesh
@@ -60,8 +61,6 @@ def restart_store(timeout_s: float) -> Any | None:
     restart; so after a restart (a failure, or a node lost or joined) a rank could read the addresses the previous
     launch's ranks left there and connect to a dead one ("Connection refused"). A restart after a failure raises the
     restart count, a node that joins raises the world size, so the pair names one launch."""
-    import torch.distributed as dist
-
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     launch = f"par3d/launch_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}_{os.environ['WORLD_SIZE']}"
@@ -77,8 +76,6 @@ def init_default_group(device: torch.device, timeout_s: float, backend: str | No
     ``MASTER_PORT``, as torchrun sets them) if nobody has, giving the ranks :func:`join_timeout` to join; returns
     its backend. The engine's ``setup`` then sets the collective timeout (:func:`set_collective_timeout`), for this
     group as for one Lightning or Accelerate created."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return str(dist.get_backend())
     backend = backend or default_backend(device)
@@ -108,8 +105,6 @@ def set_collective_timeout(timeout_s: float) -> None:
 
 
 def _forget_if_world_changed() -> None:
-    import torch.distributed as dist
-
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is not _WORLD[0]:
         for mesh in _MESHES.values():
@@ -123,8 +118,6 @@ def group_of(ranks: list[int], backend: str, timeout_s: float) -> Any:
     """The process group of ``ranks`` (global ranks), made on first use with ``backend`` and ``timeout_s`` for its
     collectives, and kept. Every rank of the world calls it for the same sets in the same order (torch's
     ``new_group`` is a collective over the default group); a rank outside ``ranks`` gets ``NON_GROUP_MEMBER``."""
-    import torch.distributed as dist
-
     _forget_if_world_changed()
     key = (tuple(sorted(ranks)), backend, float(timeout_s))
     if key not in _GROUPS:
@@ -162,8 +155,6 @@ def destroy_meshes() -> int:
     out the destroyed meshes for equal ones (see the module docstring), so do it at the end of the work, before
     destroying the default group yourself.
     """
-    import torch.distributed as dist
-
     _forget_if_world_changed()
     meshes = list(_MESHES.values())
     for mesh in meshes:

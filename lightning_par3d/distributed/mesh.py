@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from lightning_par3d.config import Layout
 
 if TYPE_CHECKING:
@@ -127,7 +129,6 @@ class Par3DMesh:
         group_of` creates it once and keeps it). Every rank calls it for every group of the layout, its own or not,
         in the same order, as torch's ``new_group`` needs; the mesh holds the ones this rank belongs to."""
         import torch
-        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         rank = dist.get_rank()

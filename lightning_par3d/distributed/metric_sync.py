@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 SyncFn = Callable[..., list[torch.Tensor]]
@@ -30,8 +31,6 @@ def metric_sync_fn(dp_group: Any, pp_group: Any = None, last_stage_rank: int = 0
         gathered = gather_all_tensors(tensor, group=dp_group)
         if pp_group is None:
             return gathered
-        import torch.distributed as dist
-
         box: list[Any] = [[t.detach().cpu() for t in gathered]]
         dist.broadcast_object_list(box, src=last_stage_rank, group=pp_group)
         return [t.to(tensor.device) for t in box[0]]

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -153,36 +153,77 @@ def broadcast(obj: T, src: int = 0) -> T:
     return box[0]
 
 
+class LightningStrategy(Protocol):
+    """What :class:`LightningFrontEnd` uses of the strategy it is mixed into: Lightning's ``ParallelStrategy`` (the
+    Trainer's or Fabric's, whose annotations differ) and the par3d strategy's own attributes. A structural type, so
+    that mypy checks every use in the shared methods against both strategies."""
+
+    engine: Par3DEngine
+    launcher_class: Any
+    _launcher: Any
+    _process_group_backend: str | None
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def resolve_world(self) -> None: ...
+
+    def _note_precision(self) -> None: ...
+
+    def broadcast(self, obj: T, src: int = 0) -> T: ...
+
+
 class LightningFrontEnd:
     """Mixed into the Trainer's and Fabric's strategies, before Lightning's ``ParallelStrategy``: the parts of a
     Lightning strategy that are the same for both, each a translation to :class:`~lightning_par3d.engine.Par3DEngine`.
     The strategy sets ``engine`` and ``_process_group_backend``, and :attr:`launcher_class` (the Trainer's or
-    Fabric's subprocess launcher). The methods take ``self`` untyped: they use what Lightning's ``ParallelStrategy``
-    (the Trainer's or Fabric's, which differ in their annotations) defines."""
+    Fabric's subprocess launcher). Each method's ``self`` is a :class:`LightningStrategy`: what it uses of either
+    strategy is typed and checked."""
 
     launcher_class: Any = None
     engine: Par3DEngine
     _process_group_backend: str | None
 
     @property
-    def config(self: Any) -> Par3DConfig:
+    def config(self: LightningStrategy) -> Par3DConfig:
         return self.engine.config
 
     @property
-    def loads_pretrained(self: Any) -> bool:
+    def loads_pretrained(self: LightningStrategy) -> bool:
         """Whether par3d reads the model's weights from a ``save_pretrained`` directory (``init="pretrained"``):
         ``configure_model`` then builds the transformers model from its config (``from_config``), not with
         ``from_pretrained``."""
         return self.engine.config.init == "pretrained"
 
     @property
-    def layout(self: Any) -> Layout:
+    def layout(self: LightningStrategy) -> Layout:
         """The resolved layout, known once Lightning has set devices and nodes (under ``layout="auto"``, once it is
         chosen at launch: after ``setup``)."""
         self.resolve_world()
         return self.engine.layout
 
-    def resolve_world(self: Any) -> None:
+    def resolve_world(self: LightningStrategy) -> None:
         """Runs every check that needs the world size, once Lightning has set devices and nodes, before any process
         is launched; fixes the layout unless ``layout="auto"`` chooses it at launch."""
         if not self.engine.is_resolved:
@@ -190,7 +231,7 @@ class LightningFrontEnd:
             device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self.engine.resolve(self.num_nodes * self.num_processes, device_type)
 
-    def plan_layout(self: Any, module: torch.nn.Module, loader: Any, where: str) -> None:
+    def plan_layout(self: LightningStrategy, module: torch.nn.Module, loader: Any, where: str) -> None:
         """``layout="auto"``: every rank plans the layout now (:meth:`Par3DEngine.choose_layout
         <lightning_par3d.engine.Par3DEngine.choose_layout>`), with ``module`` (a meta copy, before
         ``configure_model``) and the shape of a batch of ``loader`` (or ``plan_batch``; ``where`` names the loader
@@ -203,24 +244,24 @@ class LightningFrontEnd:
         sets its precision plugin)."""
 
     @property
-    def mesh(self: Any) -> Par3DMesh:
+    def mesh(self: LightningStrategy) -> Par3DMesh:
         return self.engine.mesh
 
     @property
-    def root_device(self: Any) -> torch.device:
+    def root_device(self: LightningStrategy) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
-    def num_processes(self: Any) -> int:
+    def num_processes(self: LightningStrategy) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def distributed_sampler_kwargs(self: Any) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self: LightningStrategy) -> dict[str, Any]:
         """Data is split over data-parallel ranks only: tensor-parallel and pipeline peers read the same batches."""
         return self.engine.sampler_kwargs()
 
-    def _configure_launcher(self: Any) -> None:
+    def _configure_launcher(self: LightningStrategy) -> None:
         """Lightning's subprocess launcher, on every rank, as Lightning's ``DDPStrategy`` has it: it starts the
         other local ranks only where the cluster environment does not (never in them, nor under torchrun or
         SLURM). CPU ranks get par3d's threads (:mod:`lightning_par3d.distributed.threads`) unless the user set
@@ -233,7 +274,7 @@ class LightningFrontEnd:
         assert self.cluster_environment is not None
         self._launcher = self.launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def start_distributed(self: Any) -> None:
+    def start_distributed(self: LightningStrategy) -> None:
         """This rank's place in the world, the default group (through Lightning's cluster environment, if nobody
         made it) and the mesh."""
         assert self.cluster_environment is not None
@@ -246,13 +287,13 @@ class LightningFrontEnd:
         self._process_group_backend = backend
         self.engine.setup(self.root_device, backend, devices_per_node=self.num_processes)
 
-    def barrier(self: Any, *args: Any, **kwargs: Any) -> None:
+    def barrier(self: LightningStrategy, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier()
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return broadcast(obj, src)
 
-    def save_pretrained(self: Any, directory: str | Path) -> Path:
+    def save_pretrained(self: LightningStrategy, directory: str | Path) -> Path:
         """Writes the Hugging Face transformers model inside the module as a ``save_pretrained`` directory (see
         :meth:`Par3DEngine.save_pretrained <lightning_par3d.engine.Par3DEngine.save_pretrained>`); every rank must
         call it, as in ``on_train_end``. :class:`~lightning_par3d.callbacks.SavePretrained` does it for you."""

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.integrations import lightning_shared as shared
-from lightning_par3d.integrations.lightning_checkpoints import ShardedCheckpoints
-from lightning_par3d.integrations.lightning_collectives import LayoutCollectives
+from lightning_par3d.integrations.lightning_data import check_epochs
+from lightning_par3d.integrations.lightning_elastic import ElasticRun
 from lightning_par3d.integrations.lightning_logging import LogRelay
-from lightning_par3d.integrations.lightning_pipeline import HeldGradients, PipelinedSteps
+from lightning_par3d.integrations.lightning_pipeline import HeldGradients
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
 from lightning_par3d.integrations.lightning_summary import use_par3d_summary
 from lightning_par3d.integrations.registry import register_trainer_strategy
 from lightning_par3d.parallel.precision import precision_name
+from lightning_par3d.pipeline.runner import PendingPipelineOutput
 from lightning_par3d.pipeline.trunk import install_loss
 from lightning_par3d.planning.at_launch import meta_copy
 
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints, LayoutCollectives, ParallelStrategy):
+class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
     """Trains an unchanged LightningModule at any mix of data, tensor and pipeline parallelism.
 
     Give the settings either as a :class:`~lightning_par3d.config.Par3DConfig` or as its fields::
@@ -48,9 +55,8 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
     The LightningModule builds its model in ``configure_model`` (for real on rank 0 only, with ``init="rank0"``);
     :meth:`Par3DEngine.parallelize <lightning_par3d.engine.Par3DEngine.parallelize>` then applies the layout. The
     configuration is validated when the strategy is created and again, with the world size, before any process is
-    launched. Mixins: the parts shared with Fabric (``lightning_shared.LightningFrontEnd``), the pipelined steps
-    (``lightning_pipeline``), the sharded checkpoints (``lightning_checkpoints``) and the collectives
-    (``lightning_collectives``).
+    launched. What it shares with Fabric's strategy is :class:`~lightning_par3d.integrations.lightning_shared.
+    LightningFrontEnd`; each hook below is Lightning's, translated to the engine.
     """
 
     strategy_name = "par3d"
@@ -78,7 +84,8 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
             precision_plugin=precision_plugin,
         )
         self._process_group_backend = process_group_backend
-        self._held_grads = HeldGradients()  # see PipelinedSteps
+        self._held_grads = HeldGradients()  # see training_step
+        self._elastic = ElasticRun(self.engine)
         self._plan_copy: Any = None  # layout="auto": the module before configure_model, on rank 0
         self.num_nodes = 1
 
@@ -117,7 +124,7 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
     @override
     def setup_environment(self) -> None:
         self.resolve_world()  # raises before the process group exists if the sizes do not fit
-        self.check_elastic_launch()
+        self._elastic.check_launch()
         super().setup_environment()
         self.start_distributed()
         module = self.lightning_module
@@ -157,28 +164,13 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
             rank_zero_info(f"par3d {self.engine.relayout_note}")
         rank_zero_info(self.engine.describe())
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
-        self._check_epochs(trainer)
+        check_epochs(self.engine, trainer)
         use_par3d_summary(trainer)  # the whole model's counts at any layout, no FLOPs of 0
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _check_epochs(self, trainer: pl.Trainer) -> None:
-        """Under pp: the batches of this run's dataloaders, checked against the microbatches before the first step
-        (:meth:`Par3DEngine.check_epoch <lightning_par3d.engine.Par3DEngine.check_epoch>`): a batch that cannot be
-        split fails here, and a partial last batch that runs as fewer microbatches is said once."""
-        if self.engine.pipeline is None:
-            return
-        for source, what, limits in _data_sources(trainer):
-            if not source.is_defined() or 0 in limits:
-                continue
-            loaders = source.dataloader()
-            for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
-                note = self.engine.check_epoch(loader, what, limits)
-                if note is not None:
-                    rank_zero_info(f"par3d: {note}")
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -201,6 +193,130 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         with self.engine.no_sync():
             yield
 
+    # ---------------------------------------------------------------- steps under pipelining
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp the schedule runs forward and backward inside the step; the gradients it made are held aside
+        until Lightning's backward call (Lightning clears gradients between the two: see
+        :mod:`~lightning_par3d.integrations.lightning_pipeline`)."""
+        assert self.lightning_module is not None
+        self.engine.note_step(self.lightning_module.global_step)
+        if self.engine.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        self._held_grads.restore()
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self.engine.clear_grads_first = batch_idx % self.engine.accumulate_grad_batches == 0
+        output = super().training_step(*args, **kwargs)
+        self._held_grads.hold(self.lightning_module)
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Under pp the backward ran inside the step: the hooks around it run, the gradients come back."""
+        if self.engine.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._held_grads.restore()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._held_grads.restore()  # a step whose training_step returned no loss never reached backward
+        return output
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pp the trunk's outputs exist on the last stage: ranks holding it return them, the others None."""
+        out = super().predict_step(*args, **kwargs)
+        if self.engine.pipeline is not None and isinstance(out, PendingPipelineOutput):
+            return self.engine.predict(out)
+        return out
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """An elastic run's training dataloader reads through an ``ElasticSampler`` (:mod:`~lightning_par3d.
+        integrations.lightning_elastic`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self._elastic.process_dataloader(dataloader, trainer)
+
+    # ---------------------------------------------------------------- collectives
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """What ``self.log(..., sync_dist=True)`` calls: over the data-parallel ranks only (tp peers hold the same
+        value; every pipeline rank logs the last stage's), unless a ``group`` is given."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is not None:
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return self.engine.reduce(tensor, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agreed over every rank (ModelCheckpoint, EarlyStopping)."""
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # ---------------------------------------------------------------- checkpoints: each rank's shards, with DCP
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards of the model (DTensors); saved with DCP, never gathered."""
+        return self.engine.model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.engine.optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` restored the shards in place."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing to do: :meth:`load_checkpoint` restored the shards in place."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Saves Lightning's checkpoint dict: the shards with DCP, the rest (loops, callbacks) as ``meta.pt``."""
+        if storage_options is not None:
+            raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`.")
+        self._elastic.add_state(checkpoint, self.lightning_module.trainer if self.lightning_module else None)
+        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        self.engine.save(self.broadcast(str(filepath)), checkpoint, optimizer_states, model_state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restores the shards in place (saved at any layout) and returns the rest of the checkpoint."""
+        assert self.lightning_module is not None
+        path = self.broadcast(str(checkpoint_path))
+        strict = self.lightning_module.strict_loading
+        checkpoint = self.engine.load(path, self.optimizers, strict=strict, weights_only=weights_only)
+        self._elastic.take_state(checkpoint)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(Path(filepath))
+
+    # ---------------------------------------------------------------- the end
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A rank that raises ends the whole job promptly: it says which rank failed first and why (and, for a
@@ -217,30 +333,6 @@ class Par3DStrategy(shared.LightningFrontEnd, PipelinedSteps, ShardedCheckpoints
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def _data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, tuple[int | float, ...]]]:
-    """The (data source, its name, the limits on the batches the run reads of it) of each dataloader the trainer's
-    current run reads: Lightning's ``limit_*_batches``, and for training ``max_steps`` in batches."""
-    fn = trainer.state.fn
-    if fn == TrainerFn.FITTING:
-        train_limits: tuple[int | float, ...] = (trainer.limit_train_batches or 0,)
-        if trainer.max_steps > 0:
-            train_limits += (trainer.max_steps * trainer.accumulate_grad_batches,)
-        return [
-            (trainer.fit_loop._data_source, "the training dataloader", train_limits),
-            (trainer.fit_loop.epoch_loop.val_loop._data_source, "the validation dataloader",
-             (trainer.limit_val_batches or 0,)),
-        ]  # fmt: skip
-    loops: dict[TrainerFn, tuple[Any, str, Any]] = {
-        TrainerFn.VALIDATING: (trainer.validate_loop, "the validation dataloader", trainer.limit_val_batches),
-        TrainerFn.TESTING: (trainer.test_loop, "the test dataloader", trainer.limit_test_batches),
-        TrainerFn.PREDICTING: (trainer.predict_loop, "the predict dataloader", trainer.limit_predict_batches),
-    }
-    if fn not in loops:
-        return []
-    loop, what, limit = loops[fn]
-    return [(loop._data_source, what, (limit or 0,))]
 
 
 register_trainer_strategy(Par3DStrategy)  # "par3d" in Lightning's registry, whoever imported this module

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d import compose as build
@@ -170,8 +171,6 @@ def estimate_memory(
 
     Call it before launching, in a process without a default process group: it creates and destroys a fake one.
     """
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise RuntimeError(
             "estimate_memory() simulates every rank in this process with a fake process group, so it must run "

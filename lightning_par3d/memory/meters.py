@@ -91,9 +91,6 @@ class SavedTensorMeter:
         self._counted: set[int] = set()
         self._hooks: Any = None
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()

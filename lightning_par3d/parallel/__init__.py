@@ -1,3 +1,4 @@
-"""Where each parallelism is applied: the mesh (``mesh``, ``groups``), tensor parallelism (``tensor_parallel``,
-``styles``), data parallelism (``data_parallel``, ``compression``), activation checkpointing, materialization of
-the shards, precision policies, gradient norms, and ``parallelize``, which composes them in a fixed order."""
+"""One parallelism (or one change to the model) per module: tensor parallelism (``tensor_parallel``, ``styles``,
+``local_styles``, ``packed_shards``, ``ties``), data parallelism (``data_parallel``, ``compression``), activation
+checkpointing, ``torch.compile`` per block (``compile``), precision policies, the optimizer paths, and the shards'
+materialization (``materialize``, ``metric_state``). :mod:`lightning_par3d.compose` applies them in order."""

@@ -9,7 +9,7 @@
                for the first ``start_iter`` steps; tensors that would not shrink 2× go uncompressed.
 =============  =====================================================================================================
 
-Compression changes the numbers: the run no longer matches a single process to rounding (see the README).
+Compression changes the numbers: the run no longer matches a single process to rounding (docs/memory.md).
 """
 
 from __future__ import annotations

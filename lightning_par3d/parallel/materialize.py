@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.parallel.packed_shards import is_packed_shard, scatter_from_rank0
@@ -127,7 +128,6 @@ def _copy_buffers(module: nn.Module, buffers: dict[str, torch.Tensor], only_non_
 
 
 def _load_from_rank0(module: nn.Module, state: BuildState, strict: bool = True) -> None:
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     # Interleaved shards (packed projections) are scattered by distribute_tensor, which knows their layout; DCP's
@@ -166,8 +166,6 @@ def reset_parameters(module: nn.Module) -> None:
 def sync_rng_from_rank0() -> None:
     """Gives every rank rank 0's RNG state, which only rank 0 advanced while building for real, so that later
     random draws (dropout, data order) agree across ranks and with a single process."""
-    import torch.distributed as dist
-
     states: list[object] = [torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []]
     dist.broadcast_object_list(states, src=0)
     torch.set_rng_state(states[0])  # type: ignore[arg-type]

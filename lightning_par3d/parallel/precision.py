@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -105,8 +106,6 @@ class GlobalGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        import torch.distributed as dist
-
         from lightning_par3d.parallel.tensor_parallel import local_tensor
         from lightning_par3d.utils.torch_private import unscale_and_check_finite
 

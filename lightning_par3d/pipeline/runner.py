@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.config.schedules import SINGLE_STAGE_SCHEDULES, TORCH_SCHEDULES, microbatches_for
@@ -145,15 +146,11 @@ class PipelineRunner:
 
     def broadcast_from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as the rank holding the last stage has it, on every pipeline rank (same shape and dtype)."""
-        import torch.distributed as dist
-
         dist.broadcast(tensor, src=self.last_stage_rank, group=self.pp_group)
         return tensor
 
     def broadcast_object_from_last_stage(self, obj: Any) -> Any:
         """A picklable object from the rank holding the last stage, on every pipeline rank."""
-        import torch.distributed as dist
-
         box = [obj]
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]
@@ -213,8 +210,6 @@ def _binds(signature: inspect.Signature, name: str, value: Any) -> bool:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -254,7 +249,6 @@ metadata from the first microbatch."""
 def build_runner(stage_modules: list[nn.Module], mesh: Par3DMesh, device: torch.device) -> PipelineRunner:
     """The torch ``PipelineStage`` objects for this rank's stage modules, and the layout's torch schedule over
     them."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
     layout = mesh.layout

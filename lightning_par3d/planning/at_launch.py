@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.config import Par3DConfig, changed_settings
@@ -126,8 +127,6 @@ def choose_at_launch(
     docstring). Every rank calls it; ``module`` (the LightningModule before ``configure_model``, or a factory) is
     needed on rank 0 only; ``measure()`` measures the job's machine on every rank at once. Raises the planner's
     ``ValueError`` on every rank where no layout can run."""
-    import torch.distributed as dist
-
     machine = config.plan_machine if config.plan_machine is not None else measure()
     memory = config.plan_device_memory or device_memory(device, devices_per_node)
     answer: list[Any] = [None]

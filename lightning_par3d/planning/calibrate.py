@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_par3d.planning.machine import Link, Machine
 
@@ -83,7 +84,6 @@ def calibrate_job(device: torch.device, group: Any, *, seconds: float = 0.3, int
     group (every rank must call it at the same point); ``group`` is a process group of every rank, for the DTensor
     figure. The link measured is the world's: across nodes too, where the job spans several (``inter_node`` sets the
     network's apart)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     started = time.perf_counter()
@@ -144,8 +144,6 @@ def _fit_link(samples: list[tuple[str, float, float]], n: int) -> Link:
 
 
 def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_s: float, results: Any) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -191,8 +189,6 @@ def _sync(device: torch.device) -> None:
 
 def _slowest(value: float, device: torch.device, minimum: bool = False) -> float:
     """The slowest rank's figure: the largest time, or the smallest throughput."""
-    import torch.distributed as dist
-
     t = torch.tensor([-value if minimum else value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(-t.item() if minimum else t.item())
@@ -200,8 +196,6 @@ def _slowest(value: float, device: torch.device, minimum: bool = False) -> float
 
 def _timed(run: Any, seconds: float, device: torch.device) -> tuple[int, float]:
     """Runs ``run()`` (after one warm-up) until ``seconds`` have passed; (calls, elapsed)."""
-    import torch.distributed as dist
-
     run()
     _sync(device)
     dist.barrier()
@@ -255,8 +249,6 @@ def _memory_bandwidth(device: torch.device, seconds: float) -> float:
 
 
 def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repeats: int = 5) -> float:
-    import torch.distributed as dist
-
     if kind == "all_reduce":
         tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
 

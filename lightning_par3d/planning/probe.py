@@ -193,15 +193,6 @@ def plan_styles(root: nn.Module, config: Par3DConfig) -> dict[str, str]:
     return plan_tied_weights(root, expand_plan(root, plan)) if plan else {}
 
 
-def check_model(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> None:
-    """par3d's own model checks for ``layout``'s pipeline and tensor-parallel sizes; raises their ``ValueError``
-    (or ``TypeError``, for a module that does not declare its pipeline)."""
-    from lightning_par3d import compose as build
-
-    parts = split(module, config, layout)
-    build.checked_plan(parts.root, config, layout.tp)
-
-
 # ---------------------------------------------------------------- counting work
 
 

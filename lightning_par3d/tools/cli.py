@@ -39,6 +39,15 @@ def _export_hf(argv: list[str]) -> int:
     return main(argv)
 
 
+HELP = """par3d: the command line of lightning_par3d (also: python -m lightning_par3d)
+
+  par3d plan       which layout to train with, ranked for a world of devices (nothing launched)
+  par3d dry-run    a training step of chosen ranks of any layout, here, over a fake process group
+  par3d smoke      a few steps of your model at a layout against data parallelism, for CI (exit 0/1/2)
+  par3d export-hf  a par3d checkpoint of a transformers model -> a save_pretrained directory
+
+par3d <command> --help shows each command's options and an example."""
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": _plan,
     "dry-run": _dry_run,
@@ -51,7 +60,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2])
+        print(HELP)
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in COMMANDS:

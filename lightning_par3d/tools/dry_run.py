@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
@@ -167,8 +168,6 @@ def run_rank(
 ) -> DryRunRank:
     """Rank ``rank`` of a fake world: build, step and plan the save, as the module docstring says. Call it in a
     process without a process group (``dry_run`` gives it a fresh one)."""
-    import torch.distributed as dist
-
     from lightning_par3d.engine import Par3DEngine
     from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 
@@ -216,7 +215,6 @@ def _hear_no_objects() -> None:
     """In this process only: ``broadcast_object_list`` leaves every rank's objects as they are. Over the fake
     backend it would otherwise read a size no peer sent; where a run's ranks take rank 0's choice (its RNG state,
     whether it built the weights), a dry run's rank keeps its own, which under ``init="meta"`` is the same."""
-    import torch.distributed as dist
 
     def keep_own(object_list: list[Any], *args: Any, **kwargs: Any) -> None:
         return None

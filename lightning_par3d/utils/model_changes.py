@@ -16,7 +16,7 @@ top goes through these functions, so that one module says what a model looks lik
 * :func:`remember`: what par3d did to a module (its layout and pipeline), kept weakly so that a parallelized
   model is recognised when it is given to par3d again and is freed when the user drops it.
 
-The README's "What par3d does to your model" lists every change a user can observe.
+docs/architecture.md ("What par3d does to your model") lists every change a user can observe.
 """
 
 from __future__ import annotations

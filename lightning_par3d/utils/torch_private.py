@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def fake_tensor_mode() -> Any:
@@ -44,8 +45,6 @@ def set_default_group_timeout(timeout: timedelta) -> None:
     timeout. Public API sets it only when the group is created (``init_process_group(timeout=...)``).
 
     Private: ``torch.distributed.distributed_c10d._set_pg_timeout``."""
-    import torch.distributed as dist
-
     dist.distributed_c10d._set_pg_timeout(timeout)
 
 
@@ -54,8 +53,6 @@ def default_store() -> Any:
     torch exposes the store only to the code that creates the group.
 
     Private: ``torch.distributed.distributed_c10d._get_default_store``."""
-    import torch.distributed as dist
-
     return dist.distributed_c10d._get_default_store()
 
 

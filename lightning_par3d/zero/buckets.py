@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_par3d.parallel.tensor_parallel import local_tensor
@@ -134,8 +135,6 @@ def _whole_grads(bucket: Bucket) -> list[Tensor]:
 def all_reduce_bucket(bucket: Bucket, group: Any) -> Callable[[], None]:
     """Stage 1: starts averaging the bucket's whole gradients over ``group`` in one all-reduce; the returned
     function waits for it and writes the averages back into the gradients."""
-    import torch.distributed as dist
-
     grads = _whole_grads(bucket)
     flat = torch.cat([g.reshape(-1) for g in grads])
     work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group, async_op=True)
@@ -153,8 +152,6 @@ def reduce_scatter_bucket(bucket: Bucket, shard_group: Any, replicate_group: Any
     """Stage 2: frees the bucket's whole gradients and starts averaging them over ``dp_shard`` into each rank's
     rows; the returned function waits, averages over ``replicate_group`` too, and accumulates the rows into the
     owned rows' ``.grad``."""
-    import torch.distributed as dist
-
     grads = _whole_grads(bucket)
     n = bucket.shards[0].n
     rank_major = grads[0].new_zeros(n, bucket.row)
@@ -191,8 +188,6 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 @torch.no_grad()
 def all_gather_buckets(buckets: Sequence[Bucket], group: Any) -> None:
     """After the step: every rank's owned chunks, bucket by bucket, into every rank's storage."""
-    import torch.distributed as dist
-
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
     pending = []
     for bucket in buckets:

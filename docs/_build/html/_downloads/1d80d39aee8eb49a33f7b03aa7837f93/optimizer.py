@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -188,8 +189,6 @@ class ZeroOptimizer(ZeroStateDicts, Optimizer):
     def _reduce_whole(self, shard: ParamShard) -> None:
         """A parameter that is not cut: its gradient averaged over the data-parallel group (stage 2 moves it into
         the stepped tensor's ``.grad``, as for the cut ones)."""
-        import torch.distributed as dist
-
         grad = shard.param.grad
         if grad is None:
             return

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, recursively_apply
 from torch import nn
@@ -90,7 +91,7 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         self.engine = Par3DEngine(config, precision=PRECISIONS[mixed])
         world = _world_size()
         self.engine.resolve(world, "cpu" if cpu else "cuda")  # every check that can fail, before any process group
-        set_threads_per_rank(local_processes_from_env())  # Lightning's rule, before Accelerate applies its own
+        set_threads_per_rank(local_processes_from_env())  # par3d's rule, before Accelerate applies its own
         handlers = list(kwargs.pop("kwargs_handlers", None) or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
             handlers.append(InitProcessGroupKwargs(timeout=groups.join_timeout(config.timeout_s)))
@@ -224,14 +225,6 @@ def _checked_accelerate_arguments(kwargs: dict[str, Any]) -> tuple[str, bool]:
     return mixed, cpu
 
 
-def _all_tensors(value: Any) -> bool:
-    try:
-        recursively_apply(lambda x: x, value, error_on_other_type=True)
-    except TypeError:
-        return False
-    return True
-
-
 def _to_cpu(value: Any) -> Any:
     return recursively_apply(lambda t: t.detach().cpu(), value) if value is not None else None
 
@@ -261,8 +254,6 @@ def _config(par3d: Par3DConfig | None, parallelism_config: Any, values: dict[str
 def _world_size() -> int:
     """The job's world size: the process group's if one exists (Lightning drops ``WORLD_SIZE`` from the environment
     when its Trainer tears down), else the launcher's ``WORLD_SIZE``."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -17,11 +17,9 @@ import os
 from typing import Any
 
 from lightning.fabric.utilities.data import _update_dataloader
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
-from typing_extensions import override
 
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import ElasticSampler, ElasticState, accumulation_for
@@ -30,15 +28,18 @@ STATE_KEY = "par3d_elastic"
 """The checkpoint entry of an elastic run's :class:`~lightning_par3d.engine.elastic.ElasticState`."""
 
 
-class ElasticTraining(ParallelStrategy):
-    """Mixed into :class:`~lightning_par3d.integrations.trainer.Par3DStrategy` (which sets ``engine``)."""
+class ElasticRun:
+    """The elastic part of one :class:`~lightning_par3d.integrations.trainer.Par3DStrategy`: what this launch's
+    training dataloader reads, and the state a checkpoint carries to the next launch. Does nothing unless the
+    config says ``elastic=True``."""
 
-    engine: Par3DEngine
-    _elastic_resume: ElasticState | None = None
-    _elastic_batch: tuple[int, int] | None = None
-    """(per-rank batch, global batch) of this launch's training dataloader."""
+    def __init__(self, engine: Par3DEngine) -> None:
+        self.engine = engine
+        self._elastic_resume: ElasticState | None = None
+        self._elastic_batch: tuple[int, int] | None = None
+        """(per-rank batch, global batch) of this launch's training dataloader."""
 
-    def check_elastic_launch(self) -> None:
+    def check_launch(self) -> None:
         """Warns (rank 0) where torchrun's agents share one store across rendezvous rounds (torch's default): in
         torch 2.13 an agent that joins a running job then waits for the round's ``MASTER_ADDR``, which the running
         agent never writes again, and the join times out."""
@@ -49,9 +50,9 @@ class ElasticTraining(ParallelStrategy):
                 "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, on every node."
             )
 
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+    def process_dataloader(self, dataloader: object, trainer: Any) -> object:
+        """The training dataloader of an elastic run, reading through an ``ElasticSampler`` (see the module
+        docstring); any other dataloader as it is."""
         if not self.engine.config.elastic or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
@@ -125,13 +126,12 @@ class ElasticTraining(ParallelStrategy):
             samples_in_epoch=ready * rank_batch * layout.dp,
         )
 
-    def add_elastic_state(self, checkpoint: dict[str, Any]) -> None:
+    def add_state(self, checkpoint: dict[str, Any], trainer: Any) -> None:
         """Records the elastic state in a checkpoint being saved (elastic runs only)."""
-        module = self.lightning_module
-        if self.engine.config.elastic and module is not None and self._elastic_batch is not None:
-            checkpoint[STATE_KEY] = self.elastic_state(module.trainer).to_dict()
+        if self.engine.config.elastic and trainer is not None and self._elastic_batch is not None:
+            checkpoint[STATE_KEY] = self.elastic_state(trainer).to_dict()
 
-    def take_elastic_state(self, checkpoint: dict[str, Any]) -> None:
+    def take_state(self, checkpoint: dict[str, Any]) -> None:
         """Keeps a loaded checkpoint's elastic state for the training dataloader (elastic runs only)."""
         if self.engine.config.elastic and STATE_KEY in checkpoint:
             self._elastic_resume = ElasticState.from_dict(checkpoint[STATE_KEY])

@@ -13,8 +13,6 @@ import pytest
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_par3d, run_reference
 
-pytestmark = pytest.mark.dist
-
 
 @functools.cache
 def reference(**trainer_overrides: object) -> dict:

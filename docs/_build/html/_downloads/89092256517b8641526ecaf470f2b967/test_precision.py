@@ -36,7 +36,6 @@ def bf16_job(strategy: dict, devices: int, precision: str) -> dict:
     return result
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     ("strategy", "gather"),
     [
@@ -58,7 +57,6 @@ def test_bf16_mixed_trains_close_to_fp32(pool2, strategy, gather):
     assert max(relative) > 0  # autocast really ran in bf16
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize(
     "strategy", [dict(zero_stage=3), dict(zero_stage=1), dict(pp=2)], ids=["zero3", "zero1", "pp2"]
 )
@@ -82,7 +80,6 @@ def _param_distance(a: dict, b: dict) -> float:
     return max(((a[k].float() - v).norm() / v.norm()).item() for k, v in b.items())
 
 
-@pytest.mark.dist
 def test_fp16_compression_rounds_gradients_only(pool2):
     """fp16 gradients change each update by less than fp16's resolution: the losses stay within parity's 1e-4, but
     the weights measurably leave the uncompressed run (which agrees with one process to ~4e-6)."""
@@ -92,7 +89,6 @@ def test_fp16_compression_rounds_gradients_only(pool2):
     assert 1e-4 < distance < 1e-2, distance
 
 
-@pytest.mark.dist
 def test_powersgd_compresses_after_its_start_iteration(pool2):
     """PowerSGD all-reduces plainly for 2 steps, then sends rank-1 approximations: the losses match one process until
     the first compressed update shows, then depart, and training still makes progress."""
@@ -155,7 +151,6 @@ def fp16_job(strategy: dict, inject_inf: bool) -> dict:
     return result
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("strategy", [dict(zero_stage=3), dict(tp=2)], ids=["zero3", "tp2"])
 def test_fp16_mixed_trains_close_to_fp32(pool2, strategy):
     got = pool2.run(fp16_job, strategy=strategy, inject_inf=False)[0]
@@ -165,7 +160,6 @@ def test_fp16_mixed_trains_close_to_fp32(pool2, strategy):
     assert max(relative) <= BF16_MIXED_RTOL / 2, relative
 
 
-@pytest.mark.dist
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(pool2):
     """An inf in rank 1's gradient shard only: both ranks skip that step and halve their scale, so the two halves of
     the sharded model stay in step (a per-rank scaler would have stepped rank 0's half alone)."""

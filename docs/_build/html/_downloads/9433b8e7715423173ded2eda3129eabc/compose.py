@@ -8,7 +8,8 @@ real on rank 0 with ``init="rank0"``). In order, it
 2. under ``pp > 1``, plans the stages (which blocks each stage owns);
 3. keeps rank 0's real weights aside and moves the model to meta;
 4. applies, per part, :func:`parallelize_part`: tensor parallelism (``parallelize_module``) over the ``tp`` mesh,
-   then activation checkpointing, then FSDP2 ``fully_shard`` per block and at the part's root. The part is the
+   then activation checkpointing, then ``torch.compile`` per block (``compile=True``), then FSDP2 ``fully_shard``
+   per block and at the part's root. The part is the
    whole model, or, under ``pp > 1``, each of this rank's stages: deep copies of the meta trunk that keep only what
    the stage owns, grafted back into the trunk object at their original names afterwards (torchtitan splits, then
    calls one function per part, in the same way);
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
@@ -95,8 +97,6 @@ def parallelize(
     ``precision`` (Lightning's ``precision=`` names) sets FSDP2's mixed-precision policy. Every rank must call it:
     it moves weights from rank 0 with collectives.
     """
-    import torch.distributed as dist
-
     layout = mesh.layout
     fqn_styles = checked_plan(module, config, layout.tp)
     spec = declared_pipeline(module) if layout.pp > 1 else None
@@ -190,8 +190,6 @@ def _parallelize_stages(
     """This rank's stages, each parallelized by :func:`parallelize_part` with its share of the whole model's plan
     (``fqn_styles``, full names in ``module``) and grafted back into the (emptied) trunk object at their original
     names."""
-    import torch.distributed as dist
-
     layout = mesh.layout
     trunk = getattr(module, spec.trunk)  # on meta by now
     indices = layout.stage_indices(mesh.coords(dist.get_rank()).pp)
@@ -307,8 +305,6 @@ def _describe_compile(module: nn.Module, config: Par3DConfig, cache_off: list[st
 
 
 def _describe_pipeline(mesh: Par3DMesh, config: Par3DConfig) -> str:
-    import torch.distributed as dist
-
     layout = mesh.layout
     indices = layout.stage_indices(mesh.coords(dist.get_rank()).pp)
     return f"{layout.schedule}, stages {indices} of {layout.n_stages}, {layout.microbatches} microbatches"
@@ -342,8 +338,6 @@ def _describe_data_parallel(mesh: Par3DMesh, blocks: int, config: Par3DConfig, p
 
 def _rank0_metric_states(detached: list[Any]) -> list[Any]:
     """Rank 0's torchmetrics states, on every rank (for metrics another rank built on the meta device)."""
-    import torch.distributed as dist
-
     metrics = metrics_in(detached)
     if not metrics:
         return []
@@ -354,8 +348,6 @@ def _rank0_metric_states(detached: list[Any]) -> list[Any]:
 
 def _any_rank0(captured: bool, device: torch.device) -> bool:
     """Whether rank 0 captured real weights; all ranks must agree before the broadcast collective."""
-    import torch.distributed as dist
-
     flag = torch.tensor([int(captured)], device=device)
     dist.broadcast(flag, src=0)
     return bool(flag.item())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.model_summary.model_summary import (
@@ -56,8 +57,6 @@ def whole_model_summary(trainer: pl.Trainer, module: pl.LightningModule, max_dep
     counts = torch.tensor([*per_layer, summary.total_parameters, summary.trainable_parameters], dtype=torch.int64)
     group = _pipeline_group(trainer)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(counts, group=group)
     *layers, total, trainable = (int(c) for c in counts.tolist())
     columns = [(name, values[: len(layers)]) for name, values in summary._get_summary_data() if name != "FLOPs"]

@@ -13,7 +13,7 @@ R × 1, tp = 1              0      torch DDP           everything replicated; bu
 
 Pure replication without tensor parallelism uses ``DistributedDataParallel`` itself: parameters stay plain tensors,
 so the optimizer runs without DTensor dispatch, and gradients go out in DDP's buckets during backward. Measured on
-the example GPT at dp=4 on CPU, FSDP2 with a shard size of 1 took 1.9–2.9× DDP's step time (see the README's
+the example GPT at dp=4 on CPU, FSDP2 with a shard size of 1 took 1.9–2.9× DDP's step time (see docs/benchmarks.md's
 benchmark). DDP cannot hold DTensor parameters, so with tp > 1 replication stays on FSDP2, as one root unit.
 
 Blocks are wrapped one by one before the root so that each block's all-gather overlaps the previous block's

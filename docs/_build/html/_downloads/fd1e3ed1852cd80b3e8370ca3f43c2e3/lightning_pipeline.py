@@ -3,21 +3,12 @@
 Lightning clears gradients between the step function and its backward call (its ``zero_grad`` hook), which would
 discard the gradients the schedule just made. :class:`HeldGradients` takes them out of the parameters after the step
 and puts them back when Lightning's backward (or, for a step that returned no loss, the optimizer step) comes; the
-backward itself does not run twice. :class:`PipelinedSteps` is the part of the Trainer strategy that does this, and
-hands ``predict_step``'s deferred trunk call to the engine.
+backward itself does not run twice (the strategy's ``training_step``, ``backward`` and ``optimizer_step``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor, nn
-from torch.optim import Optimizer
-from typing_extensions import override
-
-from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.pipeline.runner import PendingPipelineOutput
 
 
 class HeldGradients:
@@ -37,56 +28,3 @@ class HeldGradients:
         for param, grad in self._held.items():
             param.grad = grad
         self._held = {}
-
-
-class PipelinedSteps(ParallelStrategy):
-    """Mixed into :class:`~lightning_par3d.integrations.trainer.Par3DStrategy` (which sets ``engine`` and
-    ``_held_grads``): Lightning's step hooks, for a pipelined model. Without pipelining they are Lightning's own."""
-
-    engine: Par3DEngine
-    _held_grads: HeldGradients
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp the schedule runs forward and backward inside the step. The gradients it made are held aside
-        until Lightning's backward call: Lightning clears gradients between the step and its backward, which here
-        would discard them."""
-        assert self.lightning_module is not None
-        self.engine.note_step(self.lightning_module.global_step)
-        if self.engine.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        self._held_grads.restore()
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self.engine.clear_grads_first = batch_idx % self.engine.accumulate_grad_batches == 0
-        output = super().training_step(*args, **kwargs)
-        self._held_grads.hold(self.lightning_module)
-        return output
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Under pp the schedule already ran the backward pass inside the step; the hooks around backward still
-        run, and the gradients come back, but the backward itself does not run twice."""
-        if self.engine.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._held_grads.restore()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._held_grads.restore()  # a step whose training_step returned no loss never reached backward
-        return output
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp > 1 the trunk's outputs exist on the last stage only: ranks holding it return them, the
-        others return None."""
-        out = super().predict_step(*args, **kwargs)
-        if self.engine.pipeline is not None and isinstance(out, PendingPipelineOutput):
-            return self.engine.predict(out)
-        return out

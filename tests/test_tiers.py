@@ -1,0 +1,63 @@
+"""The test tiers and the harness: the quick tier holds what it promises (``tests/conftest.py``), and a pool's workers
+end with the test process that started them, even one that is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import QUICK_PARITY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter(new_interpreter):
+    done = new_interpreter([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick"], cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    quick = {line.strip() for line in done.stdout.splitlines() if "::" in line}
+    missing = [nodeid for nodeid in QUICK_PARITY if nodeid not in quick]
+    assert not missing, f"parity cases of the quick tier that no longer exist: {missing}"
+    slow = new_interpreter([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "interpreter"], cwd=ROOT)
+    started = {line.strip() for line in slow.stdout.splitlines() if "::" in line}
+    assert started and not started & quick
+    assert "tests/test_tiers.py::test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter" in (
+        started
+    )
+
+
+KILLED_HOLDER = """
+import os, sys
+sys.path.insert(0, {root!r})
+from tests.harness import DistPool
+
+if __name__ == "__main__":
+    pool = DistPool(2)
+    print(" ".join(str(p) for p in pool.run(os.getpid, timeout=240)), flush=True)
+    os.kill(os.getpid(), 9)  # as a crashed pytest: no clean-up of any kind
+"""
+
+
+def test_pool_workers_end_with_a_test_process_that_is_killed(new_interpreter, tmp_path):
+    """A pytest that dies (SIGKILL, nothing cleaned up) leaves no worker behind: they end within seconds."""
+    script = tmp_path / "holder.py"
+    script.write_text(KILLED_HOLDER.format(root=str(ROOT)))
+    done = new_interpreter([sys.executable, str(script)], timeout=300, cwd=ROOT)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    workers = [int(pid) for pid in done.stdout.split()]
+    assert len(workers) == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in workers), f"workers {workers} outlived their test process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text().lower())
