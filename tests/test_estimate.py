@@ -223,7 +223,7 @@ def test_the_estimate_in_a_fresh_interpreter_is_the_same(new_interpreter):
     assert fresh.rows == expected
 
 
-def test_the_dry_run_and_the_plan_hold_what_the_run_of_the_demo_layout_measures(pool8):
+def test_the_dry_run_and_the_plan_hold_what_the_run_of_the_demo_layout_measures(new_interpreter, pool8):
     """The demo's layout (pp=2 × dp_shard=2 × tp=2) trained on 8 ranks, against the dry run of its first rank of each
     pipeline stage (each alone in a process, over a fake process group) and the plan's row for it: the dry run holds
     the run's parameters, gradients and optimizer state byte for byte and its activations within 10 %; the plan's

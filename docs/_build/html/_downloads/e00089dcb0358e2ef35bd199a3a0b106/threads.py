@@ -11,9 +11,10 @@ Why half the fair share, not Lightning's ``cores // local processes``: every ran
 threads, the Python thread and the data loading, and ranks that fill every core with compute threads fight those for
 the cores. Measured on 16 cores with 4 CPU ranks (``benchmarks/bench_gpu.py --part threads``, the example GPT,
 2026-11-26): at 4 threads a rank (the fair share) dp_shard=4 took 372 and 400 ms a step in two runs, against 112–138
-ms at 1 or 2 threads, and dp2×tp2 456 ms against 152 ms at 2; Lightning's own launcher, which gives its rule to rank 0
-only (4, 16, 16, 16 threads), took 183–354 ms (docs/benchmarks.md). With every core per rank (torch's default), pure data parallelism on 4
-CPU ranks ran 5× slower than Lightning's DDP. On 2 cores the rule gives 1 thread a rank, as Lightning's does.
+ms at 1 or 2 threads, and dp2×tp2 456 ms against 152 ms at 2; Lightning's own launcher, which gives its rule to
+rank 0 only (4, 16, 16, 16 threads), took 183–354 ms (docs/benchmarks.md). With every core per rank (torch's
+default), pure data parallelism on 4 CPU ranks ran 5× slower than Lightning's DDP. On 2 cores the rule gives 1
+thread a rank, as Lightning's does.
 """
 
 from __future__ import annotations
