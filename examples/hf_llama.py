@@ -116,7 +116,8 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.loss_fn(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        # sync_dist: the data-parallel mean, which under par3d's loss_mean="tokens" is the global batch's token mean
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -51,7 +51,8 @@ class StepRecorder(L.Callback):
 
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
         rows: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, batch[0].tolist())
+        inputs = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        dist.all_gather_object(rows, inputs.tolist())
         record = self.steps.setdefault(self._step, {"loss": 0.0, "rows": set()})
         record["loss"] += loss
         record["rows"].update(tuple(r) for rank_rows in rows for r in rank_rows)

@@ -37,14 +37,21 @@ from tests import background
 from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
 from tests.gpt_runs import StepRecorder, full_state, run_reference, trainer_kwargs
+from tests.hf_runs import TINY
 from tests.launch import clean_env, free_port, start, wait_all
+from tests.padded_runs import PaddedData, PaddedLM
+from tests.padded_runs import run_reference as run_padded_reference
 
 RANK_BATCH = 4
 """Samples per data-parallel rank and batch, the same at every world size (the user's DataModule)."""
 LAYOUT = dict(dp_shard=2, tp=2)
 
 
-def elastic_job(layout: dict[str, Any], ckpt_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:
+def elastic_job(
+    layout: dict[str, Any], ckpt_dir: str, max_steps: int, resume: bool, padded: bool = False
+) -> dict[str, Any]:
+    """The elastic run on the pool's ranks: the example GPT, or (``padded``) a transformers Llama on padded rows of
+    different real lengths (:mod:`tests.padded_runs`)."""
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(SEED, verbose=False)
@@ -54,8 +61,12 @@ def elastic_job(layout: dict[str, Any], ckpt_dir: str, max_steps: int, resume: b
     world = int(os.environ["WORLD_SIZE"])  # the pool's ranks, as torchrun gives them
     kwargs = trainer_kwargs(max_steps=max_steps, enable_checkpointing=True)
     trainer = L.Trainer(devices=world, strategy=strategy, callbacks=[recorder, saver], **kwargs)
-    module = GPTModule(**MODEL)
-    trainer.fit(module, ShakespeareDataModule(batch_size=RANK_BATCH, **DATA), ckpt_path="last" if resume else None)
+    if padded:
+        module: L.LightningModule = PaddedLM(**TINY)
+        data: ShakespeareDataModule = PaddedData("left", batch_size=RANK_BATCH, **DATA)
+    else:
+        module, data = GPTModule(**MODEL), ShakespeareDataModule(batch_size=RANK_BATCH, **DATA)
+    trainer.fit(module, data, ckpt_path="last" if resume else None)
     return {
         "steps": recorder.steps,
         "params": full_state(module),
@@ -64,10 +75,10 @@ def elastic_job(layout: dict[str, Any], ckpt_dir: str, max_steps: int, resume: b
     }
 
 
-def reference_rows() -> list[set[tuple[int, ...]]]:
+def reference_rows(padded: bool = False) -> list[set[tuple[int, ...]]]:
     """The input rows of each optimizer step of the single-process run: ``GLOBAL_BATCH`` samples at a time of the
     seeded DistributedSampler's permutation, epoch after epoch."""
-    data = ShakespeareDataModule(batch_size=GLOBAL_BATCH, **DATA)
+    data = PaddedData("left", batch_size=GLOBAL_BATCH, **DATA) if padded else ShakespeareDataModule(**DATA)
     data.setup()
     steps = []
     for epoch in range(2):
@@ -75,7 +86,8 @@ def reference_rows() -> list[set[tuple[int, ...]]]:
         sampler.set_epoch(epoch)
         order = list(sampler)
         for first in range(0, len(order), GLOBAL_BATCH):
-            steps.append({tuple(data.train_set[i][0].tolist()) for i in order[first : first + GLOBAL_BATCH]})
+            rows = [data.train_set[i] for i in order[first : first + GLOBAL_BATCH]]
+            steps.append({tuple((row["input_ids"] if padded else row[0]).tolist()) for row in rows})
     return steps
 
 
@@ -107,6 +119,22 @@ def test_a_run_that_loses_half_its_ranks_and_gets_them_back_stays_on_the_single_
         assert steps[step]["rows"] == expected_rows[step], f"step {step} read other samples than one process"
     got = {"losses": [steps[s]["loss"] for s in range(8)], "params": again["params"]}
     assert_parity(got, run_reference(max_steps=8))
+
+
+def test_an_elastic_run_on_padded_rows_keeps_the_global_token_mean(pool4, pool2, tmp_path: Path):
+    """The token mean follows the global batch, not the layout: on 2 ranks the window of 2 accumulated batches holds
+    what dp=2 held in one batch, and each step's loss and gradient stay the token mean of the same 8 samples."""
+    ckpt, layout = str(tmp_path / "ckpt"), dict(pp=2, dp_shard=2, microbatches=2)
+    first = pool4.run(elastic_job, layout=layout, ckpt_dir=ckpt, max_steps=3, resume=False, padded=True)[0]
+    smaller = pool2.run(elastic_job, layout=layout, ckpt_dir=ckpt, max_steps=6, resume=True, padded=True)[0]
+    again = pool4.run(elastic_job, layout=layout, ckpt_dir=ckpt, max_steps=8, resume=True, padded=True)[0]
+    assert (first["accumulate"], smaller["accumulate"], again["accumulate"]) == (1, 2, 1)
+    steps = {**first["steps"], **smaller["steps"], **again["steps"]}
+    expected_rows = reference_rows(padded=True)
+    for step in range(8):
+        assert steps[step]["rows"] == expected_rows[step], f"step {step} read other samples than one process"
+    got = {"losses": [steps[s]["loss"] for s in range(8)], "params": again["params"]}
+    assert_parity(got, run_padded_reference("left", max_steps=8))
 
 
 # ---------------------------------------------------------------- the pieces, in one process

@@ -2,14 +2,14 @@
 every stage, ``-100`` labels on the pads, and the run matches one process that runs the model with the same mask.
 A trunk that cannot take a keyword argument of the call is refused by name on every rank before the schedule runs.
 
-What is compared: under pp the batch loss is the mean over the microbatches of the loss method's value on each
-(torch's schedule splits the batch into ``MICROBATCHES`` contiguous row groups along dim 0, ``tensor_split``), and a
-token-mean cross entropy over microbatches holding different numbers of real tokens is not the token mean of the
-whole batch. The reference (:class:`ReferenceLM`) runs the model once over the whole batch with the same mask and
-averages the token means of the same contiguous row groups: the same mean, so like is compared with like. Both runs
-read the same samples in the same order: dp = 1, so every par3d rank reads the whole global batch through the
-seeded ``DistributedSampler`` Lightning injects, which gives the permutation :class:`tests.gpt_runs.ReferenceData`
-reads."""
+What is compared: by default (``loss_mean="tokens"``) each step's loss is the token mean of the whole global batch,
+the reference's (:func:`tests.padded_runs.run_reference`). With ``loss_mean="microbatches"`` it is the mean over the
+microbatches of the loss method's value on each (torch's schedule splits the batch into ``MICROBATCHES`` contiguous
+row groups along dim 0, ``tensor_split``): :class:`MicrobatchReferenceLM` averages the token means of the same row
+groups. Both runs read the same samples in the same order: dp = 1, so every par3d rank reads the whole global batch
+through the seeded ``DistributedSampler`` Lightning injects, which gives the permutation
+:class:`tests.gpt_runs.ReferenceData` reads. The layouts with data parallelism and accumulation are in
+``tests/test_token_mean.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 from examples.data import ByteWindows, ShakespeareDataModule
 from examples.gpt import GPT, GPTConfig, GPTModule
@@ -28,75 +27,19 @@ from lightning_par3d.pipeline.hf import decoder_layout, install_stage_forward
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, check_pipeline_call
 from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
-from tests.gpt_runs import LossRecorder, ReferenceData, full_state, trainer_kwargs
+from tests.gpt_runs import LossRecorder, full_state, trainer_kwargs
 from tests.harness import RankError
 from tests.hf_runs import TINY
+from tests.padded_runs import MIN_REAL, PAD, PaddedLM, PaddedReferenceData, PaddedWindows, run_par3d, run_reference
 
 MICROBATCHES = 4
 """Microbatches per batch under pp: the global batch of 8 in 4 row groups of 2."""
-PAD = 0
-"""The pad token id (byte 0 does not occur in the text)."""
-MIN_REAL = 6
-"""The shortest real length of a padded row (of 32)."""
 
 
-# ---------------------------------------------------------------- the padded data and the module a user writes
-
-
-def real_length(index: int, block_size: int) -> int:
-    """How many real tokens sample ``index`` keeps: spread over ``MIN_REAL … block_size`` (some rows unpadded)."""
-    return MIN_REAL + (index * 11) % (block_size - MIN_REAL + 1)
-
-
-class PaddedWindows(Dataset):
-    """Each byte window cut to :func:`real_length` real tokens and padded back to the block (pads on the ``side``
-    given): ``{"input_ids", "attention_mask", "labels"}``, with ``-100`` labels on the pads."""
-
-    def __init__(self, windows: ByteWindows, side: str) -> None:
-        self.windows, self.side = windows, side
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        x, y = self.windows[index]
-        n = real_length(index, len(x))
-        real = slice(len(x) - n, len(x)) if self.side == "left" else slice(0, n)
-        ids, mask, labels = torch.full_like(x, PAD), torch.zeros_like(x), torch.full_like(y, -100)
-        ids[real], mask[real], labels[real] = x[:n], 1, y[:n]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-class PaddedData(ShakespeareDataModule):
-    """The Shakespeare windows, padded (:class:`PaddedWindows`)."""
-
-    def __init__(self, side: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.side = side
-
-    def setup(self, stage: str | None = None) -> None:
-        super().setup(stage)
-        self.train_set = PaddedWindows(self.train_set, self.side)  # type: ignore[assignment]
-
-
-class PaddedReferenceData(PaddedData, ReferenceData):
-    """The padded windows in the single-process order (:class:`tests.gpt_runs.ReferenceData`'s sampler)."""
-
-
-class PaddedLM(CausalLMModule):
-    """Padded fine-tuning as a user writes it: the mask to the model, ``-100`` labels to the example's loss (a
-    token-mean cross entropy with ``ignore_index=-100``)."""
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        assert self.model is not None
-        outputs = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return self.loss_fn(outputs, batch["labels"])
-
-
-class ReferenceLM(PaddedLM):
+class MicrobatchReferenceLM(PaddedLM):
     """One process: the model over the whole batch with the same mask; the loss is the mean of the token means of
-    the ``MICROBATCHES`` contiguous row groups, as the pipeline computes it. Also records the whole batch's token
-    mean, to show that the two differ on this data."""
+    the ``MICROBATCHES`` contiguous row groups, as the pipeline computes it under ``loss_mean="microbatches"``. Also
+    records the whole batch's token mean, to show that the two differ on this data."""
 
     token_means: list[float]
 
@@ -109,30 +52,13 @@ class ReferenceLM(PaddedLM):
         return torch.stack([self.loss_fn(lg, y) for lg, y in groups]).mean()
 
 
-# ---------------------------------------------------------------- the runs
-
-
-def run_padded_reference(side: str, max_steps: int = 5) -> dict[str, Any]:
+def run_microbatch_reference(side: str, max_steps: int = 5) -> dict[str, Any]:
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps))
-    lm = ReferenceLM(**TINY)
+    lm = MicrobatchReferenceLM(**TINY)
     trainer.fit(lm, PaddedReferenceData(side, batch_size=GLOBAL_BATCH, **DATA))
     return {"losses": recorder.losses, "params": full_state(lm), "token_means": lm.token_means}
-
-
-def run_padded_par3d(strategy: dict[str, Any], devices: int, side: str, max_steps: int = 5) -> dict[str, Any]:
-    """One par3d run inside a pool worker (dp = 1: every rank reads the whole global batch)."""
-    from lightning_par3d import Par3DStrategy
-
-    L.seed_everything(SEED, verbose=False)
-    par3d = Par3DStrategy(timeout_s=120, microbatches=MICROBATCHES, **strategy)
-    recorder = LossRecorder()
-    trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps))
-    assert par3d.layout.dp == 1
-    lm = PaddedLM(**TINY)
-    trainer.fit(lm, PaddedData(side, batch_size=GLOBAL_BATCH, **DATA))
-    return {"losses": recorder.losses, "params": full_state(lm)}
 
 
 class MaskedGPTModule(GPTModule):
@@ -154,7 +80,7 @@ def run_masked_gpt(strategy: dict[str, Any], devices: int) -> None:
 
 @functools.cache
 def reference(side: str) -> dict[str, Any]:
-    return run_padded_reference(side)
+    return run_reference(side, max_steps=5)
 
 
 # ---------------------------------------------------------------- unit
@@ -241,17 +167,25 @@ def test_pipeline_call_with_a_mask_is_refused_for_a_trunk_without_one():
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batches_at_pp2(pool2, side):
-    ref = reference(side)
+    got = pool2.run(run_par3d, strategy=dict(pp=2, microbatches=MICROBATCHES), devices=2, side=side, max_steps=5)[0]
+    assert_parity(got, reference(side))
+
+
+def test_padded_batches_at_pp2_tp2(pool4):
+    strategy = dict(pp=2, tp=2, tp_plan="auto", microbatches=MICROBATCHES)
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, side="right", max_steps=5)[0]
+    assert_parity(got, reference("right"))
+
+
+def test_the_microbatch_mean_stays_available_under_pp(pool2):
+    """``loss_mean="microbatches"``: the mean of each microbatch's own token mean, which on this data is not the
+    batch's token mean."""
+    ref = run_microbatch_reference("left")
     differs = [abs(a - b) / b for a, b in zip(ref["losses"], ref["token_means"], strict=True)]
     assert max(differs) > 1e-3, "the microbatch mean should differ from the batch's token mean on this data"
-    got = pool2.run(run_padded_par3d, strategy=dict(pp=2), devices=2, side=side)[0]
+    strategy = dict(pp=2, microbatches=MICROBATCHES, loss_mean="microbatches")
+    got = pool2.run(run_par3d, strategy=strategy, devices=2, side="left", max_steps=5)[0]
     assert_parity(got, ref)
-
-
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batches_at_pp2_tp2(pool4, side):
-    got = pool4.run(run_padded_par3d, strategy=dict(pp=2, tp=2, tp_plan="auto"), devices=4, side=side)[0]
-    assert_parity(got, reference(side))
 
 
 def test_mask_given_to_a_trunk_without_one_is_refused_on_every_rank(pool2):

@@ -19,6 +19,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 COMPILE_OPTION_NAMES = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
 """The keywords of ``torch.compile`` that ``compile_options`` may set."""
 GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")
+LOSS_MEANS = ("tokens", "microbatches")
+"""``loss_mean=``: the global batch's token mean, or the mean of each microbatch's own mean."""
 
 
 @dataclass
@@ -139,6 +141,26 @@ class Par3DConfig:
     pretrained_path: str | None = None
     """With ``init="pretrained"``: the local ``save_pretrained`` directory to read. None: the directory the
     transformers model's config was loaded from (``AutoConfig.from_pretrained(path)``)."""
+
+    loss_mean: str = "tokens"
+    """What the step's loss and gradient average over. ``"tokens"``: the global batch's token mean, the sum of the
+    token losses over every pipeline microbatch, data-parallel rank and batch of the accumulation window divided by
+    their real-token count (targets equal to ``ignore_index`` do not count), as one process computes it on the whole
+    global batch, whatever the layout. par3d sees the loss where it can scale it (a LightningModule's declared
+    ``pipeline_loss``, a transformers model's own ``loss_function``, the ``loss_fn`` of Fabric's and Accelerate's
+    ``train_step``), counts the real tokens of its targets, and multiplies its mean by the count over the global
+    batch's (see lightning_par3d.engine.tokens). ``"microbatches"``: the mean over microbatches and ranks of each
+    one's own mean (what DDP does); the two agree where every microbatch holds as many real tokens."""
+
+    ignore_index: int = -100
+    """With ``loss_mean="tokens"``: the target value of positions the loss ignores (padding), as in
+    ``F.cross_entropy(..., ignore_index=-100)`` and transformers' losses."""
+
+    loss_tokens: str | int | None = None
+    """With ``loss_mean="tokens"`` and gradient accumulation: where a training batch holds the targets its loss
+    counts (a key of a dict batch, or an index of a tuple batch), read ahead for each accumulation window. None: a
+    dict's ``"labels"``, else a tuple's last element; for a transformers model computing its own loss from
+    ``labels``, those shifted by one, as it shifts them."""
 
     seed: int | None = None
     """If set, every rank is seeded with it right before ``configure_model``. None keeps the seed of

@@ -18,6 +18,7 @@ from lightning_par3d.config.settings import (
     GRAD_COMPRESSIONS,
     INIT_MODES,
     LAYOUT_MODES,
+    LOSS_MEANS,
     ZERO_STAGES,
     Par3DConfig,
 )
@@ -98,6 +99,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
         )
     _check_positive_int(errors, "ac_every", config.ac_every, "checkpoint every n-th block under 'selective'")
     _check_compile(config, errors)
+    _check_loss_mean(config, errors)
     if isinstance(config.tp_plan, dict):
         for pattern, style in config.tp_plan.items():
             if style not in STYLE_NAMES:
@@ -126,6 +128,21 @@ def _check_compile(config: Par3DConfig, errors: _Errors) -> None:
         )
     if options and not config.compile:
         errors.add(f"compile_options={options!r} set, but compile=False. Set compile=True, or drop compile_options.")
+
+
+def _check_loss_mean(config: Par3DConfig, errors: _Errors) -> None:
+    if config.loss_mean not in LOSS_MEANS:
+        errors.add(
+            f"loss_mean={config.loss_mean!r} is not a loss mean. Allowed: 'tokens' (the global batch's token mean) or "
+            "'microbatches' (the mean of each microbatch's own mean)."
+        )
+    if isinstance(config.ignore_index, bool) or not isinstance(config.ignore_index, int):
+        errors.add(f"ignore_index={config.ignore_index!r} must be an integer (the ignored target value, e.g. -100).")
+    tokens = config.loss_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, (str, int))):
+        errors.add(
+            f"loss_tokens={tokens!r} must be a key of a dict batch ('labels'), an index of a tuple batch (-1), or None."
+        )
 
 
 def _check_zero_static(config: Par3DConfig, errors: _Errors) -> None:

@@ -32,13 +32,13 @@ from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
 from lightning_par3d.distributed import faults
 from lightning_par3d.distributed.metric_sync import attach_metric_sync, quiet_compute_before_update
-from lightning_par3d.engine import checkpoints, collectives, records, steps
+from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.processes import Processes
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
-from lightning_par3d.pipeline.batches import check_epoch, epoch_shape, limited
+from lightning_par3d.pipeline.batches import check_loader
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
 from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, install_loss
 from lightning_par3d.utils.model_changes import record_of, remember
@@ -122,6 +122,8 @@ class Par3DEngine(Processes):
         self._module, self._forward_module, self._record = module, trained, record
         if record.spec is not None and not isinstance(module, PipelineHost):
             install_loss(module, record.spec.loss, self.run_pipeline)
+        if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
+            self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
         self.attach_metrics(module)
 
     @property
@@ -158,8 +160,14 @@ class Par3DEngine(Processes):
         return self._record.report
 
     def describe(self) -> str:
-        """One line for the log: the layout and what was applied."""
-        return f"par3d: {self.layout} on {self.layout.world_size} ranks; {self.report}."
+        """One line for the log: the layout, what was applied, and what the step's loss averages over."""
+        token_mean = self.token_mean
+        mean = "the global batch's token mean"
+        if token_mean is None:
+            mean = "each microbatch's own mean"
+        elif token_mean.source == tokens.NONE:
+            mean = "the global batch's token mean in train_step, else each batch's own mean"
+        return f"par3d: {self.layout} on {self.layout.world_size} ranks; {self.report}; loss: {mean}."
 
     # ---------------------------------------------------------------- optimizers
     def setup_optimizers(self, optimizers: Sequence[Optimizer], schedulers: Iterable[Any] = ()) -> list[Optimizer]:
@@ -185,29 +193,33 @@ class Par3DEngine(Processes):
     def run_pipeline(
         self, pending: PendingPipelineOutput, targets: Any, loss_fn: LossFn, train: bool | None = None
     ) -> torch.Tensor:
-        """Runs the pipeline schedule for one batch: forward and backward if ``train`` (by default: when the module
-        is in training mode and gradients are enabled), forward only otherwise. Returns the batch's mean loss on
-        every rank."""
+        """Runs the pipeline schedule for one batch: forward and backward if ``train`` (by default: the module in
+        training mode, gradients on), else forward only. Returns the batch's loss on every rank."""
         runner = self._require_pipeline()
         if train is None:
             train = self.module.training and torch.is_grad_enabled()
+        share, accumulate = None, self.accumulate_grad_batches
+        if train and self.token_mean is not None:
+            share, accumulate = tokens.pipeline_share(self.token_mean, targets)
         return runner.run(
-            pending, targets, loss_fn, train=train, device=self.device, accumulate=self.accumulate_grad_batches,
-            zero_grad_first=self.clear_grads_first, zero=self._zero,
+            pending, targets, loss_fn, train=train, device=self.device, accumulate=accumulate,
+            zero_grad_first=self.clear_grads_first, zero=self._zero, share=share,
         )  # fmt: skip
 
     def train_step(
         self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward | None = None
     ) -> torch.Tensor:
-        """Forward and backward of one batch at any layout; returns the batch's mean loss (detached) on every rank.
-        Without pipelining ``backward(loss)`` runs the backward (default ``loss.backward()``; a front-end passes its
-        own, e.g. with loss scaling); under pp the schedule runs both (:mod:`lightning_par3d.engine.steps`)."""
+        """Forward and backward of one batch at any layout; returns the batch's loss (detached) on every rank.
+        Without pp ``backward(loss)`` (default ``loss.backward()``) runs the backward; under pp the schedule. Under
+        ``loss_mean="tokens"`` the loss is the batch's share of the global token mean (:meth:`start_batch` first)."""
         self._steps += 1
         self.note_step(self._steps)
-        if self.layout.pp == 1:
-            return steps.plain_train_step(model, inputs, targets, loss_fn, backward)
-        with torch.enable_grad():
-            return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=True)
+        if self.layout.pp > 1:
+            with torch.enable_grad():
+                return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=True)
+        if self.token_mean is not None:
+            loss_fn = self.token_mean.wrap(loss_fn)
+        return steps.plain_train_step(model, inputs, targets, loss_fn, backward)
 
     def eval_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """The mean loss of one batch, forward only, at any layout (on every rank)."""
@@ -250,19 +262,10 @@ class Par3DEngine(Processes):
 
     # ---------------------------------------------------------------- data and logged values
     def check_epoch(self, loader: Any, what: str, limits: Sequence[int | float] = ()) -> str | None:
-        """Under pp, before the first step: raises ``ValueError`` if a batch of ``loader`` (of which the run reads at
-        most ``limits`` batches, each a count or a fraction) cannot be split into microbatches, and returns a line
-        for the log if the epoch's partial last batch runs as fewer microbatches
-        (:mod:`lightning_par3d.pipeline.batches`); None otherwise, or when the loader's epoch cannot be told."""
+        """Under pp, before the first step: the batches of ``loader`` checked against the microbatches
+        (:func:`lightning_par3d.pipeline.batches.check_loader`); a line for the log, or None."""
         runner = self.pipeline
-        shape = epoch_shape(loader, self.dp_size) if runner is not None else None
-        if runner is None or shape is None:
-            return None
-        shape = limited(shape, *limits)
-        note = check_epoch(shape, self.layout, what)
-        if note is not None:
-            runner.announced.add(shape.last_batch)
-        return note
+        return check_loader(runner, loader, self.dp_size, what, limits) if runner is not None else None
 
     def gather(self, data: Any, as_objects: bool = False) -> Any:
         """The batch values ``data`` of every data-parallel rank, on every rank

@@ -17,7 +17,7 @@ from lightning_par3d.distributed import groups
 from lightning_par3d.distributed.locality import launcher_devices_per_node, tp_across_nodes
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.metric_sync import SyncFn
-from lightning_par3d.engine import collectives
+from lightning_par3d.engine import collectives, tokens
 from lightning_par3d.engine.elastic import relayout
 from lightning_par3d.parallel.compile import check_compile
 from lightning_par3d.parallel.compression import check_compression_device
@@ -46,6 +46,7 @@ class Processes:
         self.relayout_note: str | None = None
         """Under ``elastic=True``, what :meth:`resolve` changed in the sizes to fit the world (None: nothing)."""
         self._backend = "gloo"
+        self._tokens: tokens.TokenMean | None = None
 
     def resolve(self, world_size: int, device_type: str = "cpu") -> Layout | None:
         """Validates the configuration against the world size, the precision and the device type, and fixes the
@@ -222,3 +223,30 @@ class Processes:
         number; ``op`` is a name, a ``torch.distributed.ReduceOp`` or None (mean)
         (:func:`lightning_par3d.engine.collectives.reduce`)."""
         return collectives.reduce(tensor, op, self.layout, self.mesh, self.device)
+
+    @property
+    def token_mean(self) -> tokens.TokenMean | None:
+        """The token-mean state under ``loss_mean="tokens"`` (None otherwise)."""
+        if self.config.loss_mean != "tokens":
+            return None
+        if self._tokens is None:
+            self._tokens = tokens.TokenMean(
+                self.config.ignore_index,
+                self.dp_size,
+                dp_group=(lambda: self.dp_group()) if self.dp_size > 1 else (lambda: None),
+                device=lambda: self.device,
+                accumulation=lambda: getattr(self, "accumulate_grad_batches", 1),
+                where=self.config.loss_tokens,
+            )
+        return self._tokens
+
+    def start_batch(self) -> None:
+        """A training batch begins (front-ends call this once per batch, before its loss): under
+        ``loss_mean="tokens"`` its place in the accumulation window (:meth:`tokens.TokenMean.start_batch`)."""
+        if self.token_mean is not None:
+            self.token_mean.start_batch()
+
+    def backward_factor(self, divided_by: int) -> float:
+        """What a front-end multiplies a training loss by before its backward when its framework divides the loss by
+        ``divided_by`` (:meth:`tokens.TokenMean.backward_factor`); 1 outside ``loss_mean="tokens"``."""
+        return self.token_mean.backward_factor(divided_by) if self.token_mean is not None else 1.0

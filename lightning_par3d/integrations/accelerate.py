@@ -98,6 +98,7 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         super().__init__(*args, kwargs_handlers=handlers, **kwargs)
         self._prepared: list[nn.Module] = []
         self._prepared_in_this_call: list[nn.Module] = []
+        self._batch_started = False
         self.engine.setup(self.device)
         self.engine.accumulate_grad_batches = self.gradient_accumulation_steps
         if mixed == "fp16":  # one overflow decision for every shard of every rank
@@ -132,6 +133,9 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
                 "train_step needs the loss function, loss_fn(outputs, targets) -> loss: under pp it runs on the last "
                 "stage, inside the pipeline schedule."
             )
+        if not self._batch_started:  # accumulate() starts it, else here
+            self.engine.start_batch()
+        self._batch_started = False
         with self.autocast():
             return self.engine.train_step(model, inputs, targets, loss_fn, backward=self._backward)
 
@@ -155,7 +159,16 @@ class Par3DAccelerator(PreparedForPar3D, Par3DStateCheckpoints, Accelerator):
         self._backward(loss, **kwargs)
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        super().backward(loss, **kwargs)
+        """Accelerate's backward (which divides by the accumulation); a token-mean share's ``1/w`` part of it."""
+        self._batch_started = False
+        super().backward(loss * self.engine.backward_factor(self.gradient_accumulation_steps), **kwargs)
+
+    def _do_sync(self) -> None:
+        """``accumulate()``: Accelerate's sync decision, and a training batch begins (its place in the accumulation
+        window under ``loss_mean="tokens"``)."""
+        super()._do_sync()
+        self.engine.start_batch()
+        self._batch_started = True
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Generator[None, None, None]:

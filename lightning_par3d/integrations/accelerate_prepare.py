@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.planning.at_launch import batch_shape, meta_copy
 from lightning_par3d.utils.model_changes import set_attribute
@@ -146,5 +147,12 @@ class PreparedForPar3D(Accelerator):
             use_stateful_dataloader=self.use_stateful_dataloader,
             torch_device_mesh=None,
         )
+        # under loss_mean="tokens" the loader beneath Accelerate's reads each accumulation window ahead, so that
+        # Accelerate's own look-ahead (the end of the dataloader, the last window's sync, gather_for_metrics) stays as
+        # it is. DataLoaderShard calls `self.base_dataloader.__iter__()` and answers `__class__` with the base's, so
+        # the base keeps its type and takes the windows' iterator as an instance attribute.
+        windows = read_ahead(self.engine.token_mean, prepared.base_dataloader)
+        if windows is not prepared.base_dataloader:
+            prepared.base_dataloader.__iter__ = windows.__iter__
         self._dataloaders.append(prepared)
         return prepared

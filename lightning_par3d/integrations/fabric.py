@@ -9,6 +9,10 @@ parameters::
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
     loss = fabric.strategy.train_step(model, x, y, loss_fn)   # forward + backward at any layout
+
+With gradient accumulation, set ``fabric.strategy.accumulate_grad_batches = n`` and step every ``n`` batches:
+``train_step`` then scales each batch's backward as Lightning's Trainer does (and, under ``loss_mean="tokens"``,
+takes the window's token mean from the dataloaders of ``fabric.setup_dataloaders``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing_extensions import override
 
 from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.registry import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
@@ -73,6 +78,18 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
 
     def _note_precision(self) -> None:
         self.engine.precision = precision_name(self.precision)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Batches per optimizer step in the user's loop (default 1): :meth:`train_step` divides each batch's
+        backward by it (the pipeline scales its losses alike), as the Trainer does for its own."""
+        return self.engine.accumulate_grad_batches
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, batches: int) -> None:
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+            raise ValueError(f"accumulate_grad_batches={batches!r} must be a positive integer (batches per step).")
+        self.engine.accumulate_grad_batches = batches
 
     @property
     def num_nodes(self) -> int:
@@ -119,12 +136,29 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
     def train_step(self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
         """Forward and backward of one batch at any layout (:meth:`Par3DEngine.train_step
         <lightning_par3d.engine.Par3DEngine.train_step>`): under pp > 1 inside the pipeline schedule (microbatched,
-        gradients accumulated into the parameters), otherwise ``fabric.backward(loss)``. Returns the batch's mean loss
-        on every rank. The script is the same at every layout: ``loss = fabric.strategy.train_step(model, x, y,
-        loss_fn)``, then the optimizer step as usual. ``inputs``: a tensor, a tuple of arguments or a dict of keyword
-        arguments."""
+        gradients accumulated into the parameters), otherwise ``fabric.backward(loss)``. Returns the batch's loss on
+        every rank (under ``loss_mean="tokens"`` its share of the step's global token mean: averaged over the
+        data-parallel ranks and the window's batches, that mean). The script is the same at every layout:
+        ``loss = fabric.strategy.train_step(model, x, y, loss_fn)``, then the optimizer step as usual. ``inputs``: a
+        tensor, a tuple of arguments or a dict of keyword arguments."""
+        self.engine.start_batch()
         with self.precision.forward_context():
-            return self.engine.train_step(module, inputs, targets, loss_fn, lambda loss: self.backward(loss, module))
+            return self.engine.train_step(
+                module, inputs, targets, loss_fn, lambda loss: self.backward(loss * self._backward_part(), module)
+            )
+
+    def _backward_part(self) -> float:
+        """The part of a batch's loss its backward takes: ``1/accumulation`` of a mean, ``1/w`` of a token-mean
+        share (:mod:`lightning_par3d.engine.tokens`)."""
+        if self.engine.token_mean is None:
+            return 1.0 / self.engine.accumulate_grad_batches
+        return self.engine.backward_factor(1)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Under ``loss_mean="tokens"``, each dataloader read one accumulation window ahead
+        (:func:`~lightning_par3d.engine.tokens.read_ahead`; Fabric cannot tell a training loader from another)."""
+        return read_ahead(self.engine.token_mean, dataloader)
 
     def eval_step(self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
         """The mean loss of one batch, forward only, at any layout (on every rank)."""

@@ -16,7 +16,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
+from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_data import check_epochs
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
@@ -201,6 +202,7 @@ class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
         :mod:`~lightning_par3d.integrations.lightning_pipeline`)."""
         assert self.lightning_module is not None
         self.engine.note_step(self.lightning_module.global_step)
+        self.engine.start_batch()
         if self.engine.pipeline is None:
             return super().training_step(*args, **kwargs)
         self._held_grads.restore()
@@ -212,8 +214,10 @@ class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Under pp the backward ran inside the step: the hooks around it run, the gradients come back."""
+        """Under pp the backward ran inside the step: the hooks around it run, the gradients come back. Under
+        ``loss_mean="tokens"`` the backward takes ``1/w`` of a share, which Lightning divided by the accumulation."""
         if self.engine.pipeline is None:
+            closure_loss = closure_loss * self.engine.backward_factor(self.engine.accumulate_grad_batches)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
@@ -239,10 +243,14 @@ class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """An elastic run's training dataloader reads through an ``ElasticSampler`` (:mod:`~lightning_par3d.
-        integrations.lightning_elastic`)."""
+        """The training dataloader: an elastic run's through an ``ElasticSampler`` (:mod:`~lightning_par3d.
+        integrations.lightning_elastic`), one accumulation window ahead (:func:`~lightning_par3d.engine.tokens.
+        read_ahead`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return self._elastic.process_dataloader(dataloader, trainer)
+        loader = self._elastic.process_dataloader(dataloader, trainer)
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return loader
+        return read_ahead(self.engine.token_mean, loader, lambda: trainer.num_training_batches)
 
     # ---------------------------------------------------------------- collectives
     @override

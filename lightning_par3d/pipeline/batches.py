@@ -15,6 +15,7 @@ data-parallel ranks, padded so that every rank reads the same number of samples)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,3 +100,18 @@ def check_epoch(shape: EpochShape, layout: Layout, what: str) -> str | None:
         f"does not divide: it runs as {count} microbatches of {last // count} (one process's mean loss on that "
         "batch). Pass drop_last=True to the DataLoader to skip it instead."
     )
+
+
+def check_loader(runner: Any, loader: Any, dp: int, what: str, limits: Sequence[int | float] = ()) -> str | None:
+    """:func:`check_epoch` for ``loader`` as the front-end will shard it over ``dp`` ranks, of which the run reads at
+    most ``limits`` batches (each a count or a fraction of the epoch): raises ``ValueError`` if a batch cannot be split
+    into ``runner``'s microbatches; returns a line for the log if the epoch's partial last batch runs as fewer (which
+    the runner then does not say again), else None, also where the loader's epoch cannot be told."""
+    shape = epoch_shape(loader, dp)
+    if shape is None or runner.layout is None:
+        return None
+    shape = limited(shape, *limits)
+    note = check_epoch(shape, runner.layout, what)
+    if note is not None:
+        runner.announced.add(shape.last_batch)
+    return note

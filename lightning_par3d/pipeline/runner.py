@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from lightning_par3d.distributed.mesh import Par3DMesh
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Share = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``share(mean, targets)``: a microbatch's mean loss as its share of the global batch's token mean."""
 
 
 @dataclass
@@ -60,6 +62,7 @@ class PipelineRunner:
     """Batch sizes whose microbatch count was told to the user already (at setup, or at their first run)."""
     _schedules: dict[int, Any] = field(default_factory=dict)
     _loss_fn: LossFn | None = None
+    _share: Share | None = None
     _grad_scale: float = 1.0
 
     def microbatches_for(self, batch: int | None) -> int:
@@ -96,9 +99,13 @@ class PipelineRunner:
     def _scaled_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The loss of one microbatch, scaled so that the summed gradients are those of the batch mean (and of
         the accumulation window's mean: a framework's own division by the accumulation count never reaches a
-        backward that already ran inside the schedule)."""
+        backward that already ran inside the schedule); with ``share``, its share of the global batch's token
+        mean first."""
         assert self._loss_fn is not None, "the schedule ran outside PipelineRunner.run"
-        return self._loss_fn(outputs, targets) * self._grad_scale
+        loss = self._loss_fn(outputs, targets)
+        if self._share is not None:
+            loss = self._share(loss, targets)
+        return loss * self._grad_scale
 
     def run(
         self,
@@ -110,17 +117,25 @@ class PipelineRunner:
         accumulate: int = 1,
         zero_grad_first: bool = False,
         zero: Sequence[Any] = (),
+        share: Share | None = None,
     ) -> torch.Tensor:
-        """Runs the schedule over one batch and returns its mean loss on every pipeline rank.
+        """Runs the schedule over one batch and returns its loss on every pipeline rank.
 
         ``train`` runs forward and backward (gradients accumulate into the stages' parameters, scaled by
-        ``1 / (microbatches × accumulate)``), else forward only. ``zero_grad_first`` clears the stages' gradients
-        first (the first batch of an accumulation window). ``zero`` are the ZeRO-1 optimizers over the stages:
-        their gradient reduction is held during the schedule's many backward passes and done once after them.
+        ``1 / (microbatches × accumulate)``), else forward only; the loss returned is the mean of the microbatches'.
+        With ``share`` (training under ``loss_mean="tokens"``: ``share(mean, targets)`` is a microbatch's share of
+        the global batch's token mean, :mod:`lightning_par3d.engine.tokens`), each microbatch's loss is its share,
+        the gradients are scaled by ``1 / accumulate`` only, and the loss returned is the shares' sum.
+        ``zero_grad_first`` clears the stages' gradients first (the first batch of an accumulation window). ``zero``
+        are the ZeRO-1 optimizers over the stages: their gradient reduction is held during the schedule's many
+        backward passes and done once after them.
         """
         self._check_call(pending)
         count = self.microbatches_for(_batch_size(targets))
+        self._share = share if train else None
         self._grad_scale = 1.0 / (count * (accumulate if train else 1))
+        if self._share is not None:
+            self._grad_scale = 1.0 / accumulate
         if train and zero_grad_first:
             for stage in self.stage_modules:
                 stage.zero_grad(set_to_none=True)
@@ -139,7 +154,8 @@ class PipelineRunner:
         for optimizer in syncing:
             optimizer.reduce_gradients()
         if self.holds_last_stage:
-            loss = torch.stack([x.detach().float() for x in losses]).sum() / self._grad_scale / count
+            pieces = 1 if self._share is not None else count  # shares add up; means average
+            loss = torch.stack([x.detach().float() for x in losses]).sum() / self._grad_scale / pieces
         else:
             loss = torch.zeros((), device=device, dtype=torch.float32)  # fp32 on every rank, as on the last
         return self.broadcast_from_last_stage(loss)
