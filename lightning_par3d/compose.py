@@ -145,20 +145,24 @@ def parallelize_part(
     precision: str,
     fqn_styles: dict[str, str],
     blocks: list[nn.Module],
+    stage_blocks: tuple[list[nn.Module], int] | None = None,
 ) -> int:
     """Tensor parallel → activation checkpointing → ``torch.compile`` per block (``compile=True``) → FSDP2 (per
-    block, then ``part`` as the root), on the meta device; returns how many blocks are checkpointed. The same
-    function serves the whole model and each stage, and the memory estimator (:mod:`lightning_par3d.memory.estimate`),
-    which calls it on fake tensors over torch's fake process group (with ``compile=False``: it measures the eager
-    build), so that its estimate is of this very build."""
+    block in ``blocks``, then ``part`` as the root), on the meta device; returns how many blocks are checkpointed.
+    The same function serves the whole model and each stage (``stage_blocks``: the stage's blocks, and the first's
+    position in the model, which checkpointing and compilation take instead of searching for containers of repeated
+    blocks), and the memory estimator (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over
+    torch's fake process group (with ``compile=False``: it measures the eager build), so that its estimate is of
+    this very build."""
+    own, first_index = stage_blocks if stage_blocks is not None else (None, 0)
     ties = tied_groups(part) if fqn_styles else []
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
     checkpointed = apply_activation_checkpointing(
-        part, config.activation_checkpointing, config.ac_blocks, config.ac_every
+        part, config.activation_checkpointing, config.ac_blocks, config.ac_every, own, first_index
     )
     if config.compile:
-        compile_blocks(part, config.compile_options)
+        compile_blocks(part, config.compile_options, own)
     shard_data_parallel(part, mesh, blocks, mesh.layout.reshard_after_forward, **_fsdp_policies(config, precision))
     return checkpointed
 
@@ -227,10 +231,13 @@ def parallelize_stage(
     trunk_attr: str,
 ) -> int:
     """:func:`parallelize_part` on stage ``index`` (built by :func:`build_stage`), with its share of the whole
-    model's plan and its blocks as FSDP2's units; returns how many blocks are checkpointed."""
+    model's plan, and its blocks (one, or more) as the blocks to checkpoint and compile and as FSDP2's units; returns
+    how many blocks are checkpointed."""
     styles = stage_styles(fqn_styles, stage, trunk_attr)
-    blocks = [stage.get_submodule(name) for name in plan.blocks[index]] if mesh.layout.dp_shard > 1 else []
-    return parallelize_part(stage, mesh, config, precision, styles, blocks)
+    own = [stage.get_submodule(name) for name in plan.blocks[index]]
+    first_index = sum(len(names) for names in plan.blocks[:index])
+    units = own if mesh.layout.dp_shard > 1 else []
+    return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index))
 
 
 def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) -> dict[str, str]:

@@ -14,7 +14,9 @@ For the test to take a node away and give it back at known points:
 * on 4 ranks, at the start of step 3, rank 2 (the second node) writes ``OUT/lose_node`` and waits: the test kills
   that node's agent and its workers, and the first node's ranks find their peers gone;
 * on 2 ranks, at the start of step 5, rank 0 writes ``OUT/add_node`` and waits: the test starts another agent, and
-  the running agent restarts its workers at 4 ranks.
+  the running agent restarts its workers at 4 ranks;
+* or, with ``PAR3D_FAIL_ONCE=RANK:STEP``, that rank raises at that step in the first launch, and the agent restarts
+  the workers (a restart after a failure).
 
 Each rank also writes wall-clock times (``OUT/times.jsonl``: the script's start, the process group and mesh ready,
 the checkpoint loaded, the first step done, a failure seen), from which the test reads the recovery time.
@@ -46,6 +48,9 @@ from tests.gpt_runs import StepRecorder, full_state  # noqa: E402
 
 RANK_BATCH = 4
 TIMEOUT_S = 20
+FAIL_ONCE = os.environ.get("PAR3D_FAIL_ONCE", "")
+"""``RANK:STEP``: that rank raises at the start of that step in the first launch (the agent's restart count 0); the
+test of a restart after a failure sets it, and then the script takes no node away and waits for none."""
 
 
 def note(out: Path, event: str, **extra: Any) -> None:
@@ -83,10 +88,12 @@ class Steps(StepRecorder):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_batch_start(trainer, *args)
         world, step, rank = trainer.world_size, trainer.global_step, trainer.global_rank
-        if world == 4 and step == 3 and rank == 2:
+        if world == 4 and step == 3 and rank == 2 and not FAIL_ONCE:
             wait_to_be_stopped(self.out, "lose_node")
-        if world == 2 and step == 5 and rank == 0:
+        if world == 2 and step == 5 and rank == 0 and not FAIL_ONCE:
             wait_to_be_stopped(self.out, "add_node")
+        if f"{rank}:{step}" == FAIL_ONCE and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}, in the first launch only")
 
     def on_step_done(self, trainer: L.Trainer, step: int, record: dict[str, Any]) -> None:
         if trainer.is_global_zero:
@@ -103,7 +110,8 @@ class Steps(StepRecorder):
 
 def main(out: Path, layout: dict[str, Any], max_steps: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # the agent stops workers with SIGTERM
-    note(out, "script_start", world=int(os.environ["WORLD_SIZE"]), at=STARTED)
+    launch = {k: os.environ.get(f"TORCHELASTIC_{k.upper()}") for k in ("restart_count", "use_agent_store")}
+    note(out, "script_start", world=int(os.environ["WORLD_SIZE"]), at=STARTED, **launch)
     L.seed_everything(SEED, verbose=False)
     world = int(os.environ["WORLD_SIZE"])
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])

@@ -97,7 +97,7 @@ def run_par3d(
     model's own plan (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
     there (``SavePretrained``).
     ``checkpoint_to``: then a par3d checkpoint there; ``resume_from``: resume from one. ``logits_of``: then the
-    trained model's logits for these ids (``trainer.predict``: None on ranks without the last stage). The result
+    trained model's logits for these ids (``trainer.predict``: on every rank, under pp too). The result
     also tells how many parameter bytes the build allocated for real, how many each rank read from safetensors
     files, and how many it holds."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -150,7 +150,7 @@ def _predict(trainer: L.Trainer, lm: CausalLMModule, ids: torch.Tensor) -> torch
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(TensorDataset(ids, ids), batch_size=len(ids))
-    outputs = trainer.predict(lm, loader)  # under pp: on the ranks holding the last stage, None on the others
+    outputs = trainer.predict(lm, loader)  # under pp: on every rank (broadcast from the last stage)
     return outputs[0].detach().cpu() if outputs and outputs[0] is not None else None
 
 

@@ -305,6 +305,38 @@ def test_torchrun_loses_a_node_and_gets_it_back_and_the_run_stays_on_the_single_
     assert "accumulate_grad_batches 2 -> 1 keeps the global batch of 8 samples" in printed
 
 
+def restart_after_failure(folder: Path) -> dict[str, Any]:
+    """One torchrun agent, with its default store shared across restarts (the case
+    ``lightning_par3d.distributed.groups.restart_store`` exists for): rank 1 raises at step 3, the agent restarts
+    both workers, which resume ``last.ckpt`` and train to step 6."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        "--monitor-interval=0.5", "tests/elastic_script.py", str(folder), json.dumps({"dp_shard": 2}), "6",
+    ]  # fmt: skip
+    env = clean_env(PAR3D_FAIL_ONCE="1:3")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    [(code, out)] = wait_all({0: start(command, folder, 0, env)}, folder, timeout=AGENT_TIMEOUT_S)
+    return {"code": code, "out": out, "folder": folder, "events": _events(folder)}
+
+
+restart_run = background.fixture("restart_run", restart_after_failure)
+
+
+def test_a_restart_after_a_failure_with_torchruns_shared_store_resumes_on_the_single_process_trajectory(restart_run):
+    assert restart_run["code"] == 0, restart_run["out"][-4000:]
+    starts = [e for e in restart_run["events"] if e["event"] == "script_start"]
+    assert sorted(e["restart_count"] for e in starts) == ["0", "0", "1", "1"]  # two launches of two workers
+    assert {e["use_agent_store"] for e in starts} == {"True"}  # the agent's store, shared by both launches
+    assert "injected failure on rank 1 at step 3" in restart_run["out"]
+    records: dict[int, dict[str, Any]] = {}
+    for line in (restart_run["folder"] / "steps.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    assert sorted(records) == list(range(6))
+    got = {"losses": [records[s]["loss"] for s in range(6)], "params": torch.load(restart_run["folder"] / "final.pt")}
+    assert_parity(got, run_reference(max_steps=6))
+
+
 def too_small(folder: Path) -> dict[str, Any]:
     """The restart after a loss that left 2 ranks to a run whose tp=4 needs 4: torchrun starts 2 workers."""
     command = [

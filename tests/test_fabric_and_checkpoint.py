@@ -73,19 +73,40 @@ def test_fabric_bf16_mixed_train_step(pool4):
 
 def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path):
     """8 steps uninterrupted against 4 steps, a sharded checkpoint, and 4 more steps resumed from it in a new
-    Trainer: the resumed losses and final parameters equal the uninterrupted ones within 1e-6."""
-    run = functools.partial(pool4.run, run_par3d, strategy=dict(dp_shard=2, tp=2), devices=4, data=ONE_BATCH_EPOCHS)
+    Trainer: the resumed losses and final parameters equal the uninterrupted ones within 1e-6. The model has dropout:
+    each rank's random generators are in the checkpoint, so the resumed run draws the masks the whole run drew."""
+    run = functools.partial(
+        pool4.run, run_par3d, strategy=dict(dp_shard=2, tp=2), devices=4, data=ONE_BATCH_EPOCHS, model=DROPOUT
+    )
     whole = run(max_steps=8)[0]
     first = run(max_steps=4, ckpt_dir=str(tmp_path))[0]
     assert first["saved"][-2:] == ["epoch=3-step=4.ckpt", "last.ckpt"]
     last = tmp_path / "last.ckpt"
     assert (last / ".metadata").is_file() and (last / "meta.pt").is_file()
     assert len(list(last.glob("*.distcp"))) == 4  # one shard file per rank
+    assert sorted(p.name for p in (last / "rng").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     resumed = run(max_steps=8, resume_from=str(last))[0]
     assert len(resumed["losses"]) == 4
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][4:]), rtol=0, atol=1e-6)
     for name, value in whole["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+DROPOUT = dict(dropout=0.1)
+
+
+def test_random_streams_restore_at_the_same_layout_and_start_afresh_at_another(tmp_path: Path):
+    from lightning_par3d.checkpoint import rng
+
+    cpu = torch.device("cpu")
+    rng.write(tmp_path, 0, cpu)
+    expected = torch.rand(4)
+    assert rng.load(tmp_path, 0, "pp=2 on 4 ranks", "pp=2 on 4 ranks", cpu)
+    assert torch.equal(torch.rand(4), expected)
+    afresh = r"saved by the ranks of pp=2 on 4 ranks; this run is tp=2 on 2 ranks.*dropout"
+    with pytest.warns(UserWarning, match=afresh):
+        assert not rng.load(tmp_path, 0, "pp=2 on 4 ranks", "tp=2 on 2 ranks", cpu)
+    assert not rng.load(tmp_path, 0, None, "tp=2 on 2 ranks", cpu)  # saved without streams: nothing to say
 
 
 def test_a_missing_checkpoint_is_a_clear_error(pool4, tmp_path: Path):

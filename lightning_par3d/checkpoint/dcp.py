@@ -21,6 +21,7 @@ the caller passes (Lightning's ``trainer.fit(..., weights_only=...)``; torch's d
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
@@ -133,10 +134,16 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def save_sharded(
-    path: Path, tensors: dict[str, Any], metadata: dict[str, Any], rank: int, barrier: Callable[[], None]
+    path: Path,
+    tensors: dict[str, Any],
+    metadata: dict[str, Any],
+    rank: int,
+    barrier: Callable[[], None],
+    per_rank: Callable[[Path], None] | None = None,
 ) -> None:
     """Writes ``tensors`` with DCP (every rank its own shards) and ``metadata`` with ``torch.save`` (rank 0), into a
-    staging directory that then replaces ``path`` (see the module docstring). Every rank must call it."""
+    staging directory that then replaces ``path`` (see the module docstring); ``per_rank(staging)`` writes each
+    rank's own files first. Every rank must call it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -148,6 +155,8 @@ def save_sharded(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     barrier()
+    if per_rank is not None:  # before DCP's save, whose collectives order it before rank 0's meta.pt
+        per_rank(staging)
     swapped = contiguous_copies(tensors)  # packed projections' interleaved shards, as contiguous blocks
     try:
         dcp.save(tensors, storage_writer=FileSystemWriter(staging))
@@ -176,6 +185,23 @@ def _swap_into_place(staging: Path, path: Path) -> None:
         os.rename(path, previous)
     os.rename(staging, path)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def restore_previous_checkpoints(directory: Path) -> list[Path]:
+    """Puts back, in ``directory``, each previous checkpoint that a save killed between its two renames left at
+    ``.<name>.old`` while ``<name>`` is missing; returns the checkpoints put back. Every rank may run it at once:
+    one rename wins, and the others find the checkpoint in place."""
+    restored: list[Path] = []
+    if not directory.is_dir():
+        return restored
+    for previous in sorted(directory.glob(".*.old")):
+        path = directory / previous.name[1 : -len(".old")]
+        if not path.exists() and is_sharded_checkpoint(previous):
+            with contextlib.suppress(OSError):  # another rank put it back first
+                os.rename(previous, path)
+        if path.exists() and is_sharded_checkpoint(path):
+            restored.append(path)
+    return restored
 
 
 def _restore_previous(path: Path) -> None:

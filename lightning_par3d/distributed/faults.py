@@ -22,6 +22,8 @@ import torch.distributed as dist
 from lightning_par3d.utils.torch_private import default_store
 
 FIRST_FAILURE = "par3d/first_failure"
+REPORTED = "par3d/first_failure_reported"
+"""Set once the rank that failed first has printed its message (:func:`note_reported`)."""
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
 """Words (lower case) of the errors a collective raises when another rank stalled or died."""
 _MORE_LINES = 40
@@ -98,6 +100,27 @@ def failed_first(rank: int) -> bool:
         return bool(store.get(FIRST_FAILURE).decode().startswith(f"{rank}|"))
     except Exception:
         return True
+
+
+def note_reported() -> None:
+    """Tells the job that the rank which failed first has printed its message."""
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(REPORTED, "1")
+
+
+def await_report(seconds: float) -> None:
+    """Waits, at most ``seconds``, until the rank that failed first has printed its message (:func:`note_reported`).
+
+    The process that ends the job by killing the ranks it launched (Lightning's launcher, rank 0) calls this first
+    when another rank failed first: that rank records its failure, then reads every rank's step, then prints, and
+    killed in between it would print nothing, leaving a console that never says what went wrong."""
+    store = _store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):
+        store.wait([REPORTED], timedelta(seconds=seconds))
 
 
 def _steps(store: Any, world_size: int) -> dict[int, int]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_par3d.checkpoint import dcp, hf
+from lightning_par3d.checkpoint import dcp, hf, rng
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.pipeline.trunk import PipelineHost
 
@@ -66,10 +66,20 @@ def save(
     metadata: dict[str, Any],
     rank: int,
     barrier: Callable[[], None],
+    streams: tuple[str, torch.device] | None = None,
 ) -> None:
     """Saves ``tensors`` (this rank's shards: the model under its key, the optimizers under theirs) with DCP and
-    ``metadata`` (rank 0's) as ``meta.pt``, atomically. Every rank must call it."""
-    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier)
+    ``metadata`` (rank 0's) as ``meta.pt``, atomically. ``streams``: where (the layout, :func:`rng.saved_at`) and on
+    which device this rank's random generators run, to save them (:mod:`lightning_par3d.checkpoint.rng`). Every rank
+    must call it."""
+    per_rank = None
+    if streams is not None:
+        metadata = {**metadata, rng.SAVED_AT: streams[0]}
+
+        def per_rank(directory: Path) -> None:
+            rng.write(directory, rank, streams[1])
+
+    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier, per_rank)
 
 
 def load(
@@ -79,12 +89,18 @@ def load(
     model_key: str,
     strict: bool,
     weights_only: bool | None,
+    streams: tuple[str, torch.device, int] | None = None,
 ) -> dict[str, Any]:
     """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at any layout)
-    and returns its ``meta.pt`` contents. A damaged or foreign checkpoint raises the same ``ValueError`` on every
-    rank."""
+    and returns its ``meta.pt`` contents. ``streams`` (this run's layout, device and rank): then this rank's random
+    generators too, where the checkpoint was saved at that layout (:func:`rng.load`). A damaged or foreign checkpoint
+    raises the same ``ValueError`` on every rank."""
     inner = {key: unwrapped(optimizer) for key, optimizer in by_key(optimizers).items()}
-    return dcp.load_sharded(Path(path), saved, inner, model_key, strict, weights_only)
+    metadata = dcp.load_sharded(Path(path), saved, inner, model_key, strict, weights_only)
+    saved_at = metadata.pop(rng.SAVED_AT, None)
+    if streams is not None:
+        rng.load(dcp.resolve_checkpoint(Path(path)), streams[2], saved_at, streams[0], streams[1])
+    return metadata
 
 
 def by_key(items: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any]:

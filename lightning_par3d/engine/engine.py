@@ -30,7 +30,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.distributed import faults
 from lightning_par3d.distributed.metric_sync import attach_metric_sync, quiet_compute_before_update
 from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
@@ -40,7 +39,7 @@ from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.pipeline.batches import check_loader
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
-from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, install_loss
+from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, attach_forward_only, install_loss
 from lightning_par3d.utils.model_changes import record_of, remember
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
@@ -120,8 +119,10 @@ class Par3DEngine(Processes):
 
     def _adopt(self, module: nn.Module, trained: nn.Module, record: records.ModelRecord) -> None:
         self._module, self._forward_module, self._record = module, trained, record
-        if record.spec is not None and not isinstance(module, PipelineHost):
-            install_loss(module, record.spec.loss, self.run_pipeline)
+        if record.spec is not None:
+            attach_forward_only(getattr(module, record.spec.trunk), self.forward_only)
+            if not isinstance(module, PipelineHost):
+                install_loss(module, record.spec.loss, self.run_pipeline)
         if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
             self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
         self.attach_metrics(module)
@@ -228,9 +229,12 @@ class Par3DEngine(Processes):
                 return loss_fn(steps.call(model, inputs), targets).detach()
             return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
 
-    def predict(self, pending: PendingPipelineOutput) -> Any:
-        """Under pp: the trunk's outputs on the ranks holding the last stage, None elsewhere."""
-        return self._require_pipeline().predict(pending, self.device)
+    def forward_only(self, pending: PendingPipelineOutput) -> Any:
+        """Under pp: the trunk's outputs for one call, forward only, on every pipeline rank (broadcast from the last
+        stage); what the pipelined trunk returns outside training."""
+        runner = self._require_pipeline()
+        with torch.no_grad():
+            return runner.share_outputs(runner.predict(pending, self.device), self.device)
 
     def predict_step(self, model: nn.Module, inputs: Any) -> Any:
         """The model's outputs for one batch, forward only, at any layout; under pp on the ranks holding the last
@@ -238,7 +242,7 @@ class Par3DEngine(Processes):
         with torch.no_grad():
             if self.layout.pp == 1:
                 return steps.call(model, inputs)
-            return self.predict(steps.pending(inputs))
+            return self._require_pipeline().predict(steps.pending(inputs), self.device)
 
     def _require_pipeline(self) -> PipelineRunner:
         runner = self.pipeline
@@ -310,13 +314,15 @@ class Par3DEngine(Processes):
         optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
         model_state: dict[str, Any] | None = None,
         model_key: str = checkpoints.MODEL_KEY,
+        streams: bool = True,
     ) -> None:
-        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and of the
-        optimizers (their :meth:`optimizer_state`, under their names, or ``optimizer_0``, … for a list) with DCP,
-        and ``metadata`` (rank 0's), atomically. Every rank must call it."""
+        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
+        (their :meth:`optimizer_state`, by name, or ``optimizer_0``, … for a list) with DCP, ``metadata`` (rank 0's),
+        and (``streams``) each rank's random generators, atomically. Every rank must call it."""
         tensors = {model_key: self.model_state() if model_state is None else model_state}
         tensors.update(checkpoints.by_key(optimizer_states))
-        checkpoints.save(path, tensors, metadata, self.rank, self.barrier)
+        where = (self._saved_at(), self.device) if streams else None
+        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where)
 
     def load(
         self,
@@ -325,25 +331,18 @@ class Par3DEngine(Processes):
         model_key: str = checkpoints.MODEL_KEY,
         strict: bool = True,
         weights_only: bool | None = None,
+        streams: bool = True,
     ) -> dict[str, Any]:
         """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
-        layout or any other) and returns its metadata."""
-        return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only)
+        layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
+        checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
+        where = (self._saved_at(), self.device, self.rank) if streams else None
+        return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
 
-    # ---------------------------------------------------------------- faults and the end
-    def note_step(self, step: int) -> None:
-        """Records the step this rank is starting, so that a failure can say how far each rank had come."""
-        faults.note_step(self.rank, step)
+    def _saved_at(self) -> str:
+        return checkpoints.rng.saved_at(str(self.layout), self.layout.world_size)
 
-    def describe_failure(self, error: BaseException) -> str:
-        """Records this rank's failure; a message for a person (:mod:`lightning_par3d.distributed.faults`)."""
-        world = self._layout.world_size if self._layout is not None else 1
-        return faults.describe_failure(self.rank, world, error, self.config.timeout_s)
-
-    def failed_first(self) -> bool:
-        """After :meth:`describe_failure`: whether this rank's failure is the job's first (the one to print)."""
-        return faults.failed_first(self.rank)
-
+    # ---------------------------------------------------------------- the end
     def teardown(self) -> None:
         """Closes the ZeRO wrappers' gradient hooks; runs no collective. The mesh and the parallelized model stay
         for the next run of this layout in this process (:mod:`lightning_par3d.distributed.groups`)."""

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed import groups
+from lightning_par3d.distributed import faults, groups
 from lightning_par3d.distributed.locality import launcher_devices_per_node, tp_across_nodes
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.metric_sync import SyncFn
@@ -250,3 +250,17 @@ class Processes:
         """What a front-end multiplies a training loss by before its backward when its framework divides the loss by
         ``divided_by`` (:meth:`tokens.TokenMean.backward_factor`); 1 outside ``loss_mean="tokens"``."""
         return self.token_mean.backward_factor(divided_by) if self.token_mean is not None else 1.0
+
+    # ---------------------------------------------------------------- when a rank fails
+    def note_step(self, step: int) -> None:
+        """Records the step this rank is starting, so that a failure can say how far each rank had come."""
+        faults.note_step(self.rank, step)
+
+    def describe_failure(self, error: BaseException) -> str:
+        """Records this rank's failure; a message for a person (:mod:`lightning_par3d.distributed.faults`)."""
+        world = self._layout.world_size if self._layout is not None else 1
+        return faults.describe_failure(self.rank, world, error, self.config.timeout_s)
+
+    def failed_first(self) -> bool:
+        """After :meth:`describe_failure`: whether this rank's failure is the job's first (the one to print)."""
+        return faults.failed_first(self.rank)

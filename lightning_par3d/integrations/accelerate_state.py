@@ -50,7 +50,8 @@ class Par3DStateCheckpoints(Accelerator):
         finally:
             self._models, self._optimizers = models, optimizers
         states = [self.engine.optimizer_state(optimizer) for optimizer in optimizers]
-        self.engine.save(Path(location) / "par3d", {"step": self.step}, states)  # type: ignore[has-type]
+        # Accelerate saves and restores each process's random generators itself
+        self.engine.save(Path(location) / "par3d", {"step": self.step}, states, streams=False)  # type: ignore[has-type]
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
@@ -62,5 +63,5 @@ class Par3DStateCheckpoints(Accelerator):
         finally:
             self._models, self._optimizers = models, optimizers
         assert input_dir is not None
-        metadata = self.engine.load(Path(input_dir) / "par3d", optimizers)
+        metadata = self.engine.load(Path(input_dir) / "par3d", optimizers, streams=False)
         self.step = int(metadata.get("step", self.step))  # type: ignore[arg-type, has-type]

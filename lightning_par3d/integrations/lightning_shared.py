@@ -27,7 +27,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_par3d.config import Layout, Par3DConfig, config_from
-from lightning_par3d.distributed import groups
+from lightning_par3d.distributed import faults, groups
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.threads import set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
@@ -85,6 +85,10 @@ def point_at_device(module: torch.nn.Module, device: torch.device) -> None:
             sub._device = device
 
 
+_REPORT_WAIT_S = 5.0
+"""How long the launcher waits for the rank that failed first to print its message before ending the job."""
+
+
 def end_job(launcher: Any, message: str, quiet: bool = False) -> None:
     """After a rank failed: says so, and kills the other local ranks that this process launched (Lightning's
     subprocess launcher), which might otherwise wait in a collective forever. Under torchrun or SLURM the failed
@@ -92,15 +96,20 @@ def end_job(launcher: Any, message: str, quiet: bool = False) -> None:
 
     ``quiet`` (another rank failed first, and said why): prints nothing, and sends what this process would still
     print (Lightning's and Hydra's tracebacks of a consequence of that failure) nowhere, so that a job's console
-    holds its cause once."""
+    holds its cause once; before it kills the ranks it launched, it waits (a few seconds at most) for the rank that
+    failed first to have printed that cause."""
+    procs = getattr(launcher, "procs", None) or []
     if quiet:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the rest of this failing process)
+        if any(proc.poll() is None for proc in procs):
+            faults.await_report(_REPORT_WAIT_S)
     else:
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-    for proc in getattr(launcher, "procs", None) or []:
+        faults.note_reported()
+    for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -14,7 +14,6 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -28,13 +27,13 @@ from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_data import check_epochs
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
+from lightning_par3d.integrations.lightning_launcher import Par3DLauncher
 from lightning_par3d.integrations.lightning_logging import LogRelay
 from lightning_par3d.integrations.lightning_pipeline import HeldGradients
 from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
 from lightning_par3d.integrations.lightning_summary import use_par3d_summary
 from lightning_par3d.integrations.registry import register_trainer_strategy
 from lightning_par3d.parallel.precision import precision_name
-from lightning_par3d.pipeline.runner import PendingPipelineOutput
 from lightning_par3d.pipeline.trunk import install_loss
 from lightning_par3d.planning.at_launch import meta_copy
 
@@ -61,7 +60,7 @@ class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
     """
 
     strategy_name = "par3d"
-    launcher_class = _SubprocessScriptLauncher
+    launcher_class = Par3DLauncher  # Lightning's, putting back what a killed save left aside first
 
     @field_keywords
     def __init__(
@@ -232,14 +231,6 @@ class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._held_grads.restore()  # a step whose training_step returned no loss never reached backward
         return output
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp the trunk's outputs exist on the last stage: ranks holding it return them, the others None."""
-        out = super().predict_step(*args, **kwargs)
-        if self.engine.pipeline is not None and isinstance(out, PendingPipelineOutput):
-            return self.engine.predict(out)
-        return out
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -267,6 +267,11 @@ def _measure_stages(
     with fake:
         inputs = _fake_batch(batch)
         microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
+        # The input as a copy, not a view: a view is metered at the whole batch's storage, and the first stage's
+        # figure is multiplied by the microbatches in flight (the run's are views of one batch, metered once). The
+        # targets stay views: the last stage, one microbatch in flight, holds the whole batch's storage as the run's.
+        if microbatch and isinstance(microbatch[0], Tensor):
+            microbatch[0] = microbatch[0].clone()
     carried: Any = microbatch[0]
     results: list[_StageMeasure] = []
     with fake_world(layout.world_size):
@@ -341,7 +346,8 @@ class _Part:
         spec = declared_pipeline(root)
         plan = build.plan_pipeline(root, spec, config, layout)
         part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages)
-        blocks = find_ac_blocks(part, config.ac_blocks)
+        own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as the run checkpoints them
+        blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
         with fake_mode_paused():
             build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
         inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)

@@ -99,20 +99,33 @@ def find_ac_blocks(module: nn.Module, target: str | None) -> list[nn.Module]:
     return by_class or [sub for _, sub in find_modules(module, target)]
 
 
-def apply_activation_checkpointing(module: nn.Module, mode: str, target: str | None = None, every: int = 2) -> int:
+def apply_activation_checkpointing(
+    module: nn.Module,
+    mode: str,
+    target: str | None = None,
+    every: int = 2,
+    blocks: list[nn.Module] | None = None,
+    first_index: int = 0,
+) -> int:
     """Checkpoints the blocks of ``module`` in place by ``mode`` (see the module docstring); returns how many blocks
-    are checkpointed. Raises ``ValueError`` when ``target`` names no module (and a mode other than ``none`` is set)."""
+    are checkpointed. Raises ``ValueError`` when ``target`` names no module (and a mode other than ``none`` is set).
+
+    ``blocks`` (with ``target`` None) are the blocks to consider instead of the members of ``module``'s containers
+    of repeated blocks: a pipeline stage passes its own, which may be a single block (pp=4 over 4 blocks), that no
+    container of two or more would find. ``first_index`` is the position of the first of them among the whole
+    model's blocks, so that ``selective`` checkpoints the same blocks at every number of stages."""
     if mode == "none":
         return 0
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is not a mode. Allowed: {', '.join(map(repr, AC_MODES))}.")
-    blocks = find_ac_blocks(module, target)
-    if not blocks and target is not None:
+    found = blocks if blocks is not None and target is None else find_ac_blocks(module, target)
+    if not found and target is not None:
         raise ValueError(
             f"ac_blocks={target!r} names no module class and matches no module name of {type(module).__name__}. "
             "Give a block class name ('Block') or a module-name pattern ('transformer.h.*')."
         )
-    chosen = blocks[::every] if mode == "selective" else blocks
+    offset = first_index if blocks is not None and target is None else 0
+    chosen = [b for i, b in enumerate(found) if (i + offset) % every == 0] if mode == "selective" else found
     for block in chosen:
         checkpoint_module(block, op_level=mode == "op")
     return len(chosen)

@@ -35,10 +35,14 @@ from lightning_par3d.utils.patterns import is_transformers_model, repeated_membe
 from lightning_par3d.utils.torch_private import triton_available
 
 
-def compile_blocks(module: nn.Module, options: Mapping[str, Any] | None = None) -> int:
-    """Compiles, in place, every member of the model's containers of repeated blocks (see
-    :func:`~lightning_par3d.utils.patterns.repeated_members`) with ``torch.compile(**options)``; returns how many."""
-    blocks = [block for sub in module.modules() for block in repeated_members(sub)]
+def compile_blocks(
+    module: nn.Module, options: Mapping[str, Any] | None = None, blocks: list[nn.Module] | None = None
+) -> int:
+    """Compiles, in place, ``blocks`` (a pipeline stage's own, a single one included), by default every member of
+    the model's containers of repeated blocks (see :func:`~lightning_par3d.utils.patterns.repeated_members`), with
+    ``torch.compile(**options)``; returns how many."""
+    if blocks is None:
+        blocks = [block for sub in module.modules() for block in repeated_members(sub)]
     for block in blocks:
         compile_in_place(block, options)
     return len(blocks)

@@ -33,10 +33,22 @@ Share = Callable[[torch.Tensor, Any], torch.Tensor]
 
 @dataclass
 class PendingPipelineOutput:
-    """What the pipelined trunk returns: the call's arguments, kept until the loss says what to compute."""
+    """What the pipelined trunk returns in a training step: the call's arguments, kept until the loss says what to
+    compute (the schedule runs forward and backward together, inside the declared ``pipeline_loss``)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"par3d: under pp, in a training step, the pipelined trunk's output exists only inside the schedule, "
+            f"which runs with the loss: `.{name}` cannot be read from it. Pass the trunk's output straight to the "
+            "declared `pipeline_loss` (metrics that need the logits can be updated inside that loss, where they are "
+            "real, on the last stage), or compute it in a forward-only step (validation, test, predict, "
+            "torch.no_grad()), where the trunk returns the real output on every rank."
+        )
 
 
 @dataclass
@@ -183,6 +195,34 @@ class PipelineRunner:
         finally:
             self._loss_fn = None
         return outputs if self.holds_last_stage else None
+
+    def share_outputs(self, outputs: Any, device: torch.device) -> Any:
+        """The last stage's ``outputs`` (tensors, nested in tuples, lists or dicts, or other picklable values) on every
+        pipeline rank: their structure and shapes broadcast as an object, then each tensor (a DTensor gathered
+        whole first, by the last stage's tensor-parallel ranks together)."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves: list[Any] = []
+        described = None
+        if self.holds_last_stage:
+            flat, spec = tree_flatten(outputs)
+            leaves = [leaf.full_tensor() if isinstance(leaf, DTensor) else leaf for leaf in flat]
+            kinds = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
+            described = (spec, kinds)
+        spec, kinds = self.broadcast_object_from_last_stage(described)
+        shared = []
+        for i, (shape, what) in enumerate(kinds):
+            if shape == "value":
+                shared.append(what)
+                continue
+            tensor = (
+                leaves[i].detach().contiguous()
+                if self.holds_last_stage
+                else torch.empty(shape, dtype=what, device=device)
+            )
+            shared.append(self.broadcast_from_last_stage(tensor))
+        return tree_unflatten(shared, spec)
 
     def _check_call(self, pending: PendingPipelineOutput) -> None:
         if self.stage_modules:

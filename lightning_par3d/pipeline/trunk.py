@@ -19,6 +19,7 @@ the batch's mean loss. Plain scripts (Fabric, Accelerate, a torch loop) hand the
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -101,11 +102,30 @@ class PipelinedLoss:
         return self.user_loss(outputs, targets, *args, **kwargs)
 
 
-class _PipelinedTrunk(nn.Module):
-    """Mixed into the trunk's class under pp: calling it defers the computation to the pipeline schedule."""
+FORWARD_ONLY = "_par3d_forward_only"
+"""The trunk's attribute holding (a weak reference to) the engine's forward-only run (:func:`attach_forward_only`)."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> PendingPipelineOutput:
-        return PendingPipelineOutput(args, kwargs)
+
+def attach_forward_only(trunk: nn.Module, run: Callable[[PendingPipelineOutput], Any]) -> None:
+    """Makes a call of the pipelined ``trunk`` outside training (in eval mode, or with gradients off) run the
+    schedule at once, forward only, and return the real outputs on every pipeline rank: ``run(pending)``, held by a
+    weak reference so that the model keeps nothing of the engine alive."""
+    set_attribute(trunk, FORWARD_ONLY, weakref.WeakMethod(run))
+
+
+class _PipelinedTrunk(nn.Module):
+    """Mixed into the trunk's class under pp. In training (train mode, gradients on) calling it defers the
+    computation to the pipeline schedule, which the loss runs with the backward; in a forward-only step (validation,
+    test, prediction, ``torch.no_grad()``) it runs the schedule at once and returns the last stage's outputs on every
+    pipeline rank, so that code computing from them (an argmax, a metric) works as at any other layout."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        pending = PendingPipelineOutput(args, kwargs)
+        reference = self.__dict__.get(FORWARD_ONLY)
+        run = reference() if reference is not None else None
+        if run is None or (self.training and torch.is_grad_enabled()):
+            return pending
+        return run(pending)
 
 
 class PipelineHost(nn.Module):

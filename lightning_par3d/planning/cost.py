@@ -190,12 +190,13 @@ def _compute(flops: float, ops: int, machine: Machine, throughput: float) -> flo
     return max(arithmetic, overhead) if machine.async_kernels else arithmetic + overhead
 
 
-def recomputed_blocks(config: Par3DConfig, blocks: int) -> list[int]:
-    """The blocks activation checkpointing recomputes in backward (indices among the stage's blocks)."""
+def recomputed_blocks(config: Par3DConfig, blocks: int, first_block: int = 0) -> list[int]:
+    """The blocks activation checkpointing recomputes in backward (indices among the stage's ``blocks``, the first
+    of which is the model's ``first_block``-th: ``selective`` takes every ``ac_every``-th of the whole model's)."""
     if config.activation_checkpointing in ("full", "op"):
         return list(range(blocks))
     if config.activation_checkpointing == "selective":
-        return list(range(blocks))[:: config.ac_every]
+        return [b for b in range(blocks) if (b + first_block) % config.ac_every == 0]
     return []
 
 
@@ -213,7 +214,7 @@ def stage_cost(
     scale = element_bytes(precision).compute / work.activation_element_bytes
     forward = _compute(work.forward_flops * samples / t, work.forward_ops, machine, throughput)
     backward = _compute(work.backward_flops * samples / t, work.backward_ops, machine, throughput)
-    redo = recomputed_blocks(config, len(work.block_forward_flops))
+    redo = recomputed_blocks(config, len(work.block_forward_flops), work.first_block)
     op_level = config.activation_checkpointing == "op"
     for b in redo:
         if op_level:

@@ -110,6 +110,9 @@ class StageWork:
     """What the stage sends to the next one per sample (its output), at the element size as built."""
     activation_element_bytes: int
     """The element size of the activations as built (the cost model rescales to the run's compute dtype)."""
+    first_block: int = 0
+    """The position of the stage's first block among the whole model's (``selective`` counts from the model's
+    first block, at every number of stages)."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,9 @@ def stage_work(
     works = []
     for s, part in enumerate(parts.stages):
         names = styles if parts.trunk_attr is None else stage_styles(styles, part, parts.trunk_attr)
-        blocks = find_ac_blocks(part, config.ac_blocks)
+        # A stage's own blocks, as the run checkpoints them (a single one included); the whole model's are found
+        own = config.ac_blocks is None and parts.trunk_attr is not None
+        blocks = parts.blocks[s] if own else find_ac_blocks(part, config.ac_blocks)
         inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
         run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
         sizes: dict[str, tuple[int, int]] = {}
@@ -279,6 +284,7 @@ def stage_work(
                 tp=_tp_collectives(part, names, sizes, blocks),
                 output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
                 activation_element_bytes=element,
+                first_block=sum(len(b) for b in parts.blocks[:s]) if own else 0,
             )
         )
         carried = output.detach() if isinstance(output, Tensor) else carried

@@ -251,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         for check in result["checks"]:
             print(f"  [{'pass' if check['ok'] else 'FAIL'}] {check['name']}: {check['detail']}")
         print(f"  result: {out / 'result.json'}")
+    if dist.is_initialized():
+        # Both runs are over on every rank (their results were gathered). Ending the process with the groups alive
+        # left their teardown to the interpreter's exit, where gloo's threads were once destroyed still joinable
+        # (a loaded machine: "terminate called without an active exception", exit status -6 instead of 0 or 1).
+        sys.stdout.flush()
+        dist.destroy_process_group()
     return status
 
 
