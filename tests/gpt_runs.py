@@ -163,12 +163,14 @@ def run_par3d(
     keep_module: bool = False,
     extra_callbacks: list[L.Callback] | None = None,
     rank_batch: int | None = None,
+    torch_compile: dict[str, Any] | None = None,
     **trainer_overrides: Any,
 ) -> dict:
     """One par3d run inside a pool worker; ``strategy`` holds :class:`Par3DConfig` fields. ``keep_module`` adds the
     trained LightningModule to the result (for jobs that inspect it before returning). Each data-parallel rank reads
     ``GLOBAL_BATCH / dp`` samples a step, or ``rank_batch`` (``layout="auto"``, whose dp is chosen at launch); the
-    result's ``layout`` is the one trained."""
+    result's ``layout`` is the one trained. ``torch_compile``: fit ``torch.compile(module, **torch_compile)``, as
+    Lightning's docs show."""
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(global_seed, verbose=False)
@@ -182,7 +184,8 @@ def run_par3d(
     module = GPTModule(**{**MODEL, **(model or {})})
     batch_size = rank_batch if rank_batch is not None else GLOBAL_BATCH // par3d.layout.dp
     datamodule = ShakespeareDataModule(batch_size=batch_size, **{**DATA, **(data or {})})
-    trainer.fit(module, datamodule, ckpt_path=resume_from)
+    fitted = module if torch_compile is None else torch.compile(module, **torch_compile)
+    trainer.fit(fitted, datamodule, ckpt_path=resume_from)
     saved = sorted(p.name for p in Path(ckpt_dir).iterdir()) if ckpt_dir and trainer.is_global_zero else None
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     result = {

@@ -39,3 +39,14 @@ def test_callbacks_benchmark_runs(pool4):
     # The estimate and the advice at the end of fit are left out: they run outside the timed window, and
     # test_callbacks checks them.
     assert pool4.run(throughput_run, observe=True, steps=10, end_of_fit=False)[0] > 0
+
+
+def test_async_save_benchmark_runs(pool2, tmp_path):
+    import json
+
+    from benchmarks.bench_async_save import launched_run
+
+    out = tmp_path / "timings.json"
+    pool2.run(launched_run, mode="async", steps=3, every=1, n_embd=32, n_layer=2, out=out)
+    got = json.loads(out.read_text())
+    assert len(got["saves"]) >= 3 and len(got["steps"]) == 3 and got["params"] > 0

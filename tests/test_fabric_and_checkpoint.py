@@ -71,14 +71,16 @@ def test_fabric_bf16_mixed_train_step(pool4):
     assert 0 < max(relative) <= BF16_MIXED_RTOL, relative
 
 
-def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async_save"])
+def test_trainer_resume_continues_the_loss_trajectory(pool4, tmp_path: Path, async_save: bool):
     """8 steps uninterrupted against 4 steps, a sharded checkpoint, and 4 more steps resumed from it in a new
     Trainer: the resumed losses and final parameters equal the uninterrupted ones within 1e-6. The model has dropout:
-    each rank's random generators are in the checkpoint, so the resumed run draws the masks the whole run drew."""
-    run = functools.partial(
-        pool4.run, run_par3d, strategy=dict(dp_shard=2, tp=2), devices=4, data=ONE_BATCH_EPOCHS, model=DROPOUT
-    )
-    whole = run(max_steps=8)[0]
+    each rank's random generators are in the checkpoint, so the resumed run draws the masks the whole run drew.
+    With ``async_save`` a checkpoint is written each step while the next trains (each save waits for the last)."""
+    strategy = dict(dp_shard=2, tp=2)
+    run = functools.partial(pool4.run, run_par3d, devices=4, data=ONE_BATCH_EPOCHS, model=DROPOUT)
+    whole = run(strategy=strategy, max_steps=8)[0]
+    run = functools.partial(run, strategy=dict(strategy, async_save=async_save))
     first = run(max_steps=4, ckpt_dir=str(tmp_path))[0]
     assert first["saved"][-2:] == ["epoch=3-step=4.ckpt", "last.ckpt"]
     last = tmp_path / "last.ckpt"

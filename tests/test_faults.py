@@ -78,6 +78,11 @@ FAULTS = [  # each stall beside a tree that works: a stall's wait for the timeou
 KILLED_SAVES = [
     Case(f"kill rank {r} {point}", dict(dp_shard=2), 2, "none", 0, kill_save=f"{r}:{point}")
     for r, point in [(1, "writing"), (0, "before_meta"), (0, "between_renames")]
+] + [  # async_save: the shards written, and the checkpoint put in place, on DCP's thread while training goes on
+    Case(
+        f"kill rank {r} {point}, async_save", dict(dp_shard=2, async_save=True), 2, "none", 0, kill_save=f"{r}:{point}"
+    )
+    for r, point in [(1, "writing"), (0, "between_renames")]
 ]
 
 

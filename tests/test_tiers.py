@@ -15,13 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter(new_interpreter):
-    done = new_interpreter([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick"], cwd=ROOT)
+    # Both selections in one interpreter: the second collection finds the suite's modules imported by the first.
+    collect = (
+        "import sys, pytest\n"
+        "quick = pytest.main(['--collect-only', '-q', '-m', 'quick'])\n"
+        "print('=== interpreter tier ===', flush=True)\n"
+        "sys.exit(quick or pytest.main(['--collect-only', '-q', '-m', 'interpreter']))\n"
+    )
+    done = new_interpreter([sys.executable, "-c", collect], cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    quick = {line.strip() for line in done.stdout.splitlines() if "::" in line}
+    first, _, second = done.stdout.partition("=== interpreter tier ===")
+    quick = {line.strip() for line in first.splitlines() if "::" in line}
     missing = [nodeid for nodeid in QUICK_PARITY if nodeid not in quick]
     assert not missing, f"parity cases of the quick tier that no longer exist: {missing}"
-    slow = new_interpreter([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "interpreter"], cwd=ROOT)
-    started = {line.strip() for line in slow.stdout.splitlines() if "::" in line}
+    started = {line.strip() for line in second.splitlines() if "::" in line}
     assert started and not started & quick
     assert "tests/test_tiers.py::test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter" in (
         started

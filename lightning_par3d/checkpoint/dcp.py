@@ -27,6 +27,7 @@ import itertools
 import os
 import pickle
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,49 @@ def resolve_checkpoint(path: Path) -> Path:
 # ---------------------------------------------------------------- saving
 
 
+class BackgroundSaves:
+    """The saves of one engine that write in the background (``async_save=True``): at most one at a time.
+
+    A save copies this rank's shards to CPU memory (DCP's staging) and returns to training while a thread writes
+    them (``torch.distributed.checkpoint.async_save``, over :func:`~lightning_par3d.distributed.groups.
+    checkpoint_group`). Rank 0 writes ``meta.pt`` into the staging directory at once; the staging directory takes
+    the checkpoint's name only when every rank's shards are written (DCP's coordinator finishes after gathering every
+    rank's write), on DCP's thread. Until then the previous checkpoint stays at the name. The next save, a load,
+    and the end of training wait for the save in flight first (:meth:`wait`), and raise its error if it failed."""
+
+    def __init__(self, group: Callable[[], Any]) -> None:
+        self.group = group
+        self._future: Any = None
+        self._in_place = threading.Event()
+        self._in_place.set()
+
+    def start(self, future: Any, staging: Path, path: Path, swap: bool) -> None:
+        """Follows ``future`` (this rank's part of a save into ``staging``); ``swap`` (rank 0): then puts the
+        staging directory in place at ``path``."""
+        self._future = future
+        self._in_place.clear()
+
+        def done(finished: Any) -> None:
+            try:
+                if swap and finished.exception() is None:
+                    _swap_into_place(staging, path)
+            finally:
+                self._in_place.set()
+
+        future.add_done_callback(done)
+
+    @property
+    def in_flight(self) -> bool:
+        return not self._in_place.is_set()
+
+    def wait(self) -> None:
+        """Blocks until the save in flight, if any, is written and in place; raises its error."""
+        future, self._future = self._future, None
+        if future is not None:
+            self._in_place.wait()
+            future.result()
+
+
 def save_sharded(
     path: Path,
     tensors: dict[str, Any],
@@ -140,15 +184,19 @@ def save_sharded(
     rank: int,
     barrier: Callable[[], None],
     per_rank: Callable[[Path], None] | None = None,
+    background: BackgroundSaves | None = None,
 ) -> None:
     """Writes ``tensors`` with DCP (every rank its own shards) and ``metadata`` with ``torch.save`` (rank 0), into a
     staging directory that then replaces ``path`` (see the module docstring); ``per_rank(staging)`` writes each
-    rank's own files first. Every rank must call it."""
+    rank's own files first. With ``background``, the shards are written by a thread and the staging directory takes
+    ``path`` when they are all written (:class:`BackgroundSaves`). Every rank must call it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     if path.is_file():
         raise FileExistsError(f"{path} is a file; a par3d checkpoint is a directory. Remove it or choose another path.")
+    if background is not None:
+        background.wait()  # one save at a time: the previous one whole and in place first
     staging = _staging(path)
     if rank == 0:
         _restore_previous(path)
@@ -159,9 +207,18 @@ def save_sharded(
         per_rank(staging)
     swapped = contiguous_copies(tensors)  # packed projections' interleaved shards, as contiguous blocks
     try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(staging))
+        if background is not None:  # DCP copies the shards to CPU memory before it returns
+            group = background.group()
+            future = dcp.async_save(tensors, storage_writer=FileSystemWriter(staging), process_group=group)
+        else:
+            dcp.save(tensors, storage_writer=FileSystemWriter(staging))
     finally:
         put_back(swapped)
+    if background is not None:
+        if rank == 0:
+            _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
+        background.start(future, staging, path, swap=rank == 0)
+        return
     if rank == 0:
         _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
         _swap_into_place(staging, path)

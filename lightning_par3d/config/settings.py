@@ -112,6 +112,13 @@ class Par3DConfig:
     """With ``compile=True``: keywords for ``torch.compile`` (``mode``, ``fullgraph``, ``dynamic``, ``backend``,
     ``options``). Empty: torch's defaults (the inductor backend)."""
 
+    async_save: bool = False
+    """Write checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save copies this rank's
+    shards to CPU memory and training goes on while a thread writes them; the checkpoint takes its name (``last.ckpt``
+    included) only once every rank's shards are written, the previous one staying until then. The next save, a load
+    and the end of training wait for a save still in flight. Costs a CPU copy of the rank's model and optimizer
+    shards while it writes."""
+
     offload: bool = False
     """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2's ``CPUOffloadPolicy``):
     each block's parameters are copied to the device for its forward and backward, and the optimizer steps on the

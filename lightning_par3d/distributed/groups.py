@@ -114,6 +114,18 @@ def _forget_if_world_changed() -> None:
         _WORLD[0] = world
 
 
+def checkpoint_group(timeout_s: float) -> Any:
+    """A gloo group of the whole world for the collectives of checkpoints written in the background
+    (``async_save``), kept like the others: those collectives run on DCP's writer thread while training runs its
+    own, so they must not share a group with any of training's (two threads issuing collectives on one group would
+    interleave them in different orders on different ranks). Every rank calls it at the same point."""
+    _forget_if_world_changed()
+    key = ("checkpoint", float(timeout_s))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(timeout=timedelta(seconds=timeout_s), backend="gloo")
+    return _GROUPS[key]
+
+
 def group_of(ranks: list[int], backend: str, timeout_s: float) -> Any:
     """The process group of ``ranks`` (global ranks), made on first use with ``backend`` and ``timeout_s`` for its
     collectives, and kept. Every rank of the world calls it for the same sets in the same order (torch's

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_par3d.checkpoint import dcp, hf, rng
+from lightning_par3d.distributed import groups
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.pipeline.trunk import PipelineHost
 
@@ -67,11 +68,12 @@ def save(
     rank: int,
     barrier: Callable[[], None],
     streams: tuple[str, torch.device] | None = None,
+    background: dcp.BackgroundSaves | None = None,
 ) -> None:
     """Saves ``tensors`` (this rank's shards: the model under its key, the optimizers under theirs) with DCP and
     ``metadata`` (rank 0's) as ``meta.pt``, atomically. ``streams``: where (the layout, :func:`rng.saved_at`) and on
-    which device this rank's random generators run, to save them (:mod:`lightning_par3d.checkpoint.rng`). Every rank
-    must call it."""
+    which device this rank's random generators run, to save them (:mod:`lightning_par3d.checkpoint.rng`).
+    ``background``: written by a thread (``async_save``). Every rank must call it."""
     per_rank = None
     if streams is not None:
         metadata = {**metadata, rng.SAVED_AT: streams[0]}
@@ -79,7 +81,12 @@ def save(
         def per_rank(directory: Path) -> None:
             rng.write(directory, rank, streams[1])
 
-    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier, per_rank)
+    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier, per_rank, background)
+
+
+def background_saves(async_save: bool, timeout_s: float) -> dcp.BackgroundSaves | None:
+    """The engine's saves in the background, with ``async_save`` (their collectives on a group of their own)."""
+    return dcp.BackgroundSaves(lambda: groups.checkpoint_group(timeout_s)) if async_save else None
 
 
 def load(

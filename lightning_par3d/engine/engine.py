@@ -30,7 +30,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.distributed.metric_sync import attach_metric_sync, quiet_compute_before_update
 from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.processes import Processes
@@ -66,6 +65,7 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
+        self._background = checkpoints.background_saves(config.async_save, config.timeout_s)
 
     # ---------------------------------------------------------------- the model
     @contextmanager
@@ -230,15 +230,13 @@ class Par3DEngine(Processes):
             return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
 
     def forward_only(self, pending: PendingPipelineOutput) -> Any:
-        """Under pp: the trunk's outputs for one call, forward only, on every pipeline rank (broadcast from the last
-        stage); what the pipelined trunk returns outside training."""
+        """Under pp: the trunk's outputs for one call, forward only, broadcast to every pipeline rank."""
         runner = self._require_pipeline()
         with torch.no_grad():
             return runner.share_outputs(runner.predict(pending, self.device), self.device)
 
     def predict_step(self, model: nn.Module, inputs: Any) -> Any:
-        """The model's outputs for one batch, forward only, at any layout; under pp on the ranks holding the last
-        stage (None elsewhere)."""
+        """The model's outputs for one batch, forward only; under pp on the last stage's ranks (None elsewhere)."""
         with torch.no_grad():
             if self.layout.pp == 1:
                 return steps.call(model, inputs)
@@ -258,9 +256,8 @@ class Par3DEngine(Processes):
     def clip_grad_norm_(
         self, source: Optimizer | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Scales gradients so that their norm over every tp, dp and pp shard (the whole model's, as one process
-        computes it) is at most ``max_norm``; returns the norm before clipping. ``source`` is the optimizer whose
-        gradients to clip (the Trainer, Fabric), or parameters (Accelerate's ``clip_grad_norm_``)."""
+        """Scales gradients so that their norm over every tp, dp and pp shard (one process's norm) is at most
+        ``max_norm``; returns it before clipping. ``source``: the optimizer (Trainer, Fabric) or parameters."""
         pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         return steps.clip_grad_norm(source, max_norm, norm_type, self._zero, pp_group)
 
@@ -277,13 +274,6 @@ class Par3DEngine(Processes):
         return collectives.gather(
             data, as_objects, self.layout, self.mesh, self.holds_last_stage, self.pipeline, self.device
         )
-
-    def attach_metrics(self, *modules: nn.Module) -> int:
-        """Makes every torchmetrics metric in ``modules`` without a sync of its own sync over the right ranks
-        (:meth:`metric_sync_fn`; :meth:`parallelize` does it for the model's own); returns how many."""
-        if self.layout.pp > 1 and self.mesh.coords(self.rank).pp != self.layout.last_stage_owner:
-            quiet_compute_before_update()
-        return attach_metric_sync(modules, self.metric_sync_fn(), pipelined=self.layout.pp > 1)
 
     # ---------------------------------------------------------------- checkpoints
     def _saved_module(self) -> nn.Module:
@@ -322,7 +312,7 @@ class Par3DEngine(Processes):
         tensors = {model_key: self.model_state() if model_state is None else model_state}
         tensors.update(checkpoints.by_key(optimizer_states))
         where = (self._saved_at(), self.device) if streams else None
-        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where)
+        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where, self._background)
 
     def load(
         self,
@@ -337,13 +327,22 @@ class Par3DEngine(Processes):
         layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
         checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
         where = (self._saved_at(), self.device, self.rank) if streams else None
+        self.wait_for_saves()
         return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
 
     def _saved_at(self) -> str:
         return checkpoints.rng.saved_at(str(self.layout), self.layout.world_size)
 
+    def wait_for_saves(self) -> None:
+        """With ``async_save``: waits for the save in flight on every rank (then a barrier); raises its error."""
+        if self._background is not None:
+            self._background.wait()
+            self.barrier()
+
     # ---------------------------------------------------------------- the end
     def teardown(self) -> None:
-        """Closes the ZeRO wrappers' gradient hooks; runs no collective. The mesh and the parallelized model stay
-        for the next run of this layout in this process (:mod:`lightning_par3d.distributed.groups`)."""
+        """Waits for a save in flight; closes the ZeRO wrappers' gradient hooks; runs no collective. The mesh and the
+        parallelized model stay for the next run of this layout in this process."""
+        if self._background is not None:
+            self._background.wait()
         self.close_optimizers()

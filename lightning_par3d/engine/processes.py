@@ -16,7 +16,7 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.distributed import faults, groups
 from lightning_par3d.distributed.locality import launcher_devices_per_node, tp_across_nodes
 from lightning_par3d.distributed.mesh import Par3DMesh
-from lightning_par3d.distributed.metric_sync import SyncFn
+from lightning_par3d.distributed.metric_sync import SyncFn, attach_metric_sync, quiet_compute_before_update
 from lightning_par3d.engine import collectives, tokens
 from lightning_par3d.engine.elastic import relayout
 from lightning_par3d.parallel.compile import check_compile
@@ -250,6 +250,13 @@ class Processes:
         """What a front-end multiplies a training loss by before its backward when its framework divides the loss by
         ``divided_by`` (:meth:`tokens.TokenMean.backward_factor`); 1 outside ``loss_mean="tokens"``."""
         return self.token_mean.backward_factor(divided_by) if self.token_mean is not None else 1.0
+
+    def attach_metrics(self, *modules: nn.Module) -> int:
+        """Makes every torchmetrics metric in ``modules`` without a sync of its own sync over the right ranks
+        (:meth:`metric_sync_fn`; :meth:`parallelize` does it for the model's own); returns how many."""
+        if self.layout.pp > 1 and self.mesh.coords(self.rank).pp != self.layout.last_stage_owner:
+            quiet_compute_before_update()
+        return attach_metric_sync(modules, self.metric_sync_fn(), pipelined=self.layout.pp > 1)
 
     # ---------------------------------------------------------------- when a rank fails
     def note_step(self, step: int) -> None:

@@ -25,6 +25,7 @@ from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
+from lightning_par3d.integrations.lightning_compile import TakesCompiledModules
 from lightning_par3d.integrations.lightning_data import check_epochs
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
 from lightning_par3d.integrations.lightning_launcher import Par3DLauncher
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class Par3DStrategy(shared.LightningFrontEnd, ParallelStrategy):
+class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStrategy):
     """Trains an unchanged LightningModule at any mix of data, tensor and pipeline parallelism.
 
     Give the settings either as a :class:`~lightning_par3d.config.Par3DConfig` or as its fields::

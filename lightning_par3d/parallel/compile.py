@@ -79,6 +79,8 @@ def check_compile(options: Mapping[str, Any], device_type: str) -> None:
     """Raises ``ValueError`` if torch cannot compile with ``options`` on ``device_type`` here: the inductor backend
     (torch's default) needs a C++ compiler on CPU and Triton on CUDA. Called before any process is launched."""
     backend = options.get("backend", "inductor")
+    if not isinstance(backend, str):  # a backend object (torch.compile'd by the user: its configured backend)
+        backend = getattr(backend, "compiler_name", None)
     if backend != "inductor" or options.get("disable"):
         return
     if device_type == "cpu":

@@ -153,3 +153,20 @@ def triton_available() -> bool:
     from torch.utils._triton import has_triton
 
     return bool(has_triton())
+
+
+def compile_options_of(compiled: Any) -> dict[str, Any]:
+    """The ``torch.compile`` keywords a ``torch._dynamo.OptimizedModule`` (the result of ``torch.compile(module)``)
+    was made with: its backend (the configured backend object torch built from ``backend``, ``mode`` and
+    ``options``, which compiles alike when given as ``backend``), ``fullgraph`` and ``dynamic``. Raises
+    ``ValueError`` where torch keeps them otherwise than in 2.13."""
+    context = getattr(compiled, "dynamo_ctx", None)
+    backend = getattr(getattr(context, "callback", None), "_torchdynamo_orig_backend", None)
+    if context is None or backend is None:
+        raise ValueError(
+            "par3d could not read the torch.compile options of the compiled model (this torch keeps them elsewhere). "
+            "Pass the uncompiled model and set compile=True (with compile_options) on the strategy instead."
+        )
+    while hasattr(backend, "_torchdynamo_orig_backend"):  # torch's debugging and frame-conversion wrappers
+        backend = backend._torchdynamo_orig_backend
+    return {"backend": backend, "fullgraph": bool(context.fullgraph), "dynamic": context._dynamic}

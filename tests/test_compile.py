@@ -1,0 +1,58 @@
+"""``compile=True`` and ``trainer.fit(torch.compile(module))`` on CPU processes, with torch's default backend
+(inductor, generating C++ on CPU): each block compiled in place, at the losses of one eager process, with no
+recompilation after the first step (dynamo's own graph count), and parameter names free of ``_orig_mod``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import assert_parity
+from tests.gpt_runs import run_reference
+
+INDUCTOR: dict[str, Any] = {}  # torch.compile's defaults: the inductor backend
+
+
+def compiled_job(strategy: dict[str, Any], devices: int, how: str, max_steps: int = 4) -> dict[str, Any]:
+    """A run compiled ``how``: ``"compile=True"`` on the strategy, or ``"torch.compile"``, the user's
+    ``trainer.fit(torch.compile(module))``. Adds how many of this rank's modules are compiled, and whether any
+    parameter name holds ``_orig_mod``."""
+    from lightning_par3d.parallel.compile import is_compiled
+    from tests.compile_runs import run_compiled
+
+    if how == "compile=True":
+        strategy = {**strategy, "compile": True, "compile_options": INDUCTOR}
+        result = run_compiled(strategy, devices, keep_module=True, max_steps=max_steps)
+    else:
+        result = run_compiled(strategy, devices, keep_module=True, max_steps=max_steps, torch_compile=INDUCTOR)
+    module = result.pop("module")
+    result["compiled"] = [name for name, sub in module.named_modules() if is_compiled(sub)]
+    result["orig_mod_names"] = [name for name, _ in module.named_parameters() if "_orig_mod" in name]
+    result["step_methods_compiled"] = getattr(module, "_compiler_ctx", None) is not None
+    return result
+
+
+LAYOUTS = [
+    pytest.param(dict(dp_shard=2, tp=2), id="dp2xtp2"),
+    pytest.param(dict(pp=2, dp_shard=2), id="pp2xdp2"),
+]
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_a_torch_compiled_module_trains_compiled_per_block_as_compile_true_does(pool4, strategy):
+    reference = run_reference(max_steps=4)
+    runs = {
+        how: pool4.run(compiled_job, strategy=strategy, devices=4, how=how) for how in ("compile=True", "torch.compile")
+    }
+    for how, ranks in runs.items():
+        assert_parity(ranks[0], reference)
+        for rank in ranks:
+            # each rank's own blocks (2 blocks, or 1 per pipeline stage), nothing else; the step methods uncompiled
+            assert rank["compiled"] and all(".h." in f".{name}." for name in rank["compiled"]), (how, rank["compiled"])
+            assert len(rank["compiled"]) == (1 if "pp" in strategy else 2), (how, rank["compiled"])
+            assert rank["orig_mod_names"] == [] and not rank["step_methods_compiled"]
+            graphs = rank["graphs"]
+            assert graphs[0] > 0 and graphs[-1] == graphs[1], f"{how}: recompiled after the first steps: {graphs}"
+    for a, b in zip(runs["compile=True"], runs["torch.compile"], strict=True):
+        assert a["losses"] == b["losses"]
