@@ -4,14 +4,19 @@ recompilation after the first step (dynamo's own graph count), and parameter nam
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import assert_parity
+from tests.constants import ONE_BATCH_EPOCHS
 from tests.gpt_runs import run_reference
 
 INDUCTOR: dict[str, Any] = {}  # torch.compile's defaults: the inductor backend
+TRACED = dict(compile=True, compile_options={"backend": "aot_eager"})
+"""For what does not depend on the generated code (the names a checkpoint holds): dynamo and AOTAutograd only."""
 
 
 def compiled_job(strategy: dict[str, Any], devices: int, how: str, max_steps: int = 4) -> dict[str, Any]:
@@ -56,3 +61,27 @@ def test_a_torch_compiled_module_trains_compiled_per_block_as_compile_true_does(
             assert graphs[0] > 0 and graphs[-1] == graphs[1], f"{how}: recompiled after the first steps: {graphs}"
     for a, b in zip(runs["compile=True"], runs["torch.compile"], strict=True):
         assert a["losses"] == b["losses"]
+
+
+@functools.cache
+def one_batch_reference() -> dict:
+    return run_reference(max_steps=4, data=ONE_BATCH_EPOCHS)
+
+
+def test_a_compiled_runs_checkpoint_resumes_eagerly_at_another_layout_and_back(pool4, tmp_path):
+    """Parameter and checkpoint names are the same compiled or not: 2 steps compiled at dp_shard=2 × tp=2, 1 step
+    eager at pp=2 × dp_shard=2 resumed from its checkpoint, then 1 step compiled at dp_shard=2 × tp=2 again, continue
+    one process's run (traced with ``aot_eager``: the names do not depend on the generated code)."""
+    from tests.compile_runs import run_compiled
+
+    run = functools.partial(pool4.run, run_compiled, devices=4, data=ONE_BATCH_EPOCHS)
+    compiled, eager = dict(dp_shard=2, tp=2, **TRACED), dict(pp=2, dp_shard=2)
+    run(strategy=compiled, max_steps=2, ckpt_dir=str(tmp_path / "a"))
+    third = run(
+        strategy=eager, max_steps=3, resume_from=str(tmp_path / "a" / "last.ckpt"), ckpt_dir=str(tmp_path / "b")
+    )
+    fourth = run(strategy=compiled, max_steps=4, resume_from=str(tmp_path / "b" / "last.ckpt"))[0]
+    whole = one_batch_reference()
+    losses = third[0]["losses"] + fourth["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole["losses"][2:]), rtol=1e-4, atol=0)
+    assert_parity({"losses": fourth["losses"], "params": fourth["params"]}, {**whole, "losses": whole["losses"][3:]})
