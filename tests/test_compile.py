@@ -1,6 +1,8 @@
-"""``compile=True`` and ``trainer.fit(torch.compile(module))`` on CPU processes, with torch's default backend
-(inductor, generating C++ on CPU): each block compiled in place, at the losses of one eager process, with no
-recompilation after the first step (dynamo's own graph count), and parameter names free of ``_orig_mod``."""
+"""``compile=True`` and ``trainer.fit(torch.compile(module))`` on CPU processes: each block compiled in place, at the
+losses of one eager process, with no recompilation after the first step (dynamo's own graph count), and parameter
+names free of ``_orig_mod``. Torch's default backend (inductor, generating C++ on CPU) at dp_shard=2; the layouts
+with tp and pp, and the two ways of asking, traced by dynamo and AOTAutograd (``aot_eager``: what par3d's hooks and
+DTensors meet), since inductor compiles for tens of seconds per case on two cores."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ from tests.conftest import assert_parity
 from tests.constants import ONE_BATCH_EPOCHS
 from tests.gpt_runs import run_reference
 
-INDUCTOR: dict[str, Any] = {}  # torch.compile's defaults: the inductor backend
-TRACED = dict(compile=True, compile_options={"backend": "aot_eager"})
-"""For what does not depend on the generated code (the names a checkpoint holds): dynamo and AOTAutograd only."""
+TRACE = {"backend": "aot_eager"}
+TRACED = dict(compile=True, compile_options=TRACE)
 
 
 def compiled_job(strategy: dict[str, Any], devices: int, how: str, max_steps: int = 4) -> dict[str, Any]:
@@ -27,10 +28,10 @@ def compiled_job(strategy: dict[str, Any], devices: int, how: str, max_steps: in
     from tests.compile_runs import run_compiled
 
     if how == "compile=True":
-        strategy = {**strategy, "compile": True, "compile_options": INDUCTOR}
+        strategy = {**strategy, "compile": True, "compile_options": TRACE}
         result = run_compiled(strategy, devices, keep_module=True, max_steps=max_steps)
     else:
-        result = run_compiled(strategy, devices, keep_module=True, max_steps=max_steps, torch_compile=INDUCTOR)
+        result = run_compiled(strategy, devices, keep_module=True, max_steps=max_steps, torch_compile=TRACE)
     module = result.pop("module")
     result["compiled"] = [name for name, sub in module.named_modules() if is_compiled(sub)]
     result["orig_mod_names"] = [name for name, _ in module.named_parameters() if "_orig_mod" in name]
@@ -61,6 +62,16 @@ def test_a_torch_compiled_module_trains_compiled_per_block_as_compile_true_does(
             assert graphs[0] > 0 and graphs[-1] == graphs[1], f"{how}: recompiled after the first steps: {graphs}"
     for a, b in zip(runs["compile=True"], runs["torch.compile"], strict=True):
         assert a["losses"] == b["losses"]
+
+
+def test_inductor_on_cpu_trains_on_the_single_process_trajectory(pool2):
+    """``compile=True`` with torch's defaults (inductor: C++ generated, compiled and run on CPU) at dp_shard=2."""
+    from tests.compile_runs import run_compiled
+
+    ranks = pool2.run(run_compiled, strategy=dict(dp_shard=2, compile=True), devices=2, max_steps=4)
+    assert_parity(ranks[0], run_reference(max_steps=4))
+    for rank in ranks:
+        assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
 
 
 @functools.cache

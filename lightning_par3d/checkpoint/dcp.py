@@ -149,32 +149,55 @@ class BackgroundSaves:
         self._future: Any = None
         self._in_place = threading.Event()
         self._in_place.set()
+        self._lock = threading.Lock()
+        self._after: list[Callable[[], None]] = []
+        self._error: BaseException | None = None
 
     def start(self, future: Any, staging: Path, path: Path, swap: bool) -> None:
         """Follows ``future`` (this rank's part of a save into ``staging``); ``swap`` (rank 0): then puts the
-        staging directory in place at ``path``."""
+        staging directory in place at ``path``, and runs what :meth:`after_in_place` queued."""
         self._future = future
         self._in_place.clear()
 
         def done(finished: Any) -> None:
-            try:
-                if swap and finished.exception() is None:
-                    _swap_into_place(staging, path)
-            finally:
-                self._in_place.set()
+            with self._lock:
+                try:
+                    if swap and finished.exception() is None:
+                        _swap_into_place(staging, path)
+                        for then in self._after:
+                            then()
+                except BaseException as error:  # concurrent.futures drops what a done-callback raises: keep it
+                    self._error = error
+                finally:
+                    self._after.clear()
+                    self._in_place.set()
 
         future.add_done_callback(done)
+
+    def after_in_place(self, then: Callable[[], None]) -> None:
+        """Runs ``then`` once the save in flight has its name (at once if none is in flight), and not at all if it
+        fails: the removal of an older checkpoint (``ModelCheckpoint``'s ``save_top_k``, right after a save
+        returns) must not leave the run without a whole checkpoint while the new one is still being written."""
+        with self._lock:
+            if self._in_place.is_set():
+                then()
+            else:
+                self._after.append(then)
 
     @property
     def in_flight(self) -> bool:
         return not self._in_place.is_set()
 
     def wait(self) -> None:
-        """Blocks until the save in flight, if any, is written and in place; raises its error."""
+        """Blocks until the save in flight, if any, is written and in place; raises its error (the write's, or on
+        rank 0 the rename's)."""
         future, self._future = self._future, None
         if future is not None:
             self._in_place.wait()
             future.result()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def save_sharded(

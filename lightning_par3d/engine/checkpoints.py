@@ -124,3 +124,17 @@ def unwrapped(optimizer: Any) -> Any:
         if isinstance(inner, Optimizer):  # a ZeroOptimizer is one too, and is kept (its `wrapped` is not unwrapped)
             return unwrapped(inner)
     return optimizer
+
+
+def after_saves(background: dcp.BackgroundSaves | None, then: Callable[[], None]) -> None:
+    """``then`` once ``background``'s save in flight has its name (:meth:`dcp.BackgroundSaves.after_in_place`); at
+    once without saves in the background."""
+    if background is None:
+        then()
+    else:
+        background.after_in_place(then)
+
+
+def saved_at(layout: Any) -> str:
+    """What a checkpoint records of the layout its random streams were saved at (:func:`rng.saved_at`)."""
+    return rng.saved_at(str(layout), layout.world_size)

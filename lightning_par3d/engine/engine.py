@@ -65,7 +65,8 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
-        self._background = checkpoints.background_saves(config.async_save, config.timeout_s)
+        self.background = checkpoints.background_saves(config.async_save, config.timeout_s)
+        """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
 
     # ---------------------------------------------------------------- the model
     @contextmanager
@@ -311,8 +312,8 @@ class Par3DEngine(Processes):
         and (``streams``) each rank's random generators, atomically. Every rank must call it."""
         tensors = {model_key: self.model_state() if model_state is None else model_state}
         tensors.update(checkpoints.by_key(optimizer_states))
-        where = (self._saved_at(), self.device) if streams else None
-        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where, self._background)
+        where = (checkpoints.saved_at(self.layout), self.device) if streams else None
+        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where, self.background)
 
     def load(
         self,
@@ -326,23 +327,22 @@ class Par3DEngine(Processes):
         """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
         layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
         checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
-        where = (self._saved_at(), self.device, self.rank) if streams else None
+        where = (checkpoints.saved_at(self.layout), self.device, self.rank) if streams else None
         self.wait_for_saves()
         return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
 
-    def _saved_at(self) -> str:
-        return checkpoints.rng.saved_at(str(self.layout), self.layout.world_size)
-
     def wait_for_saves(self) -> None:
         """With ``async_save``: waits for the save in flight on every rank (then a barrier); raises its error."""
-        if self._background is not None:
-            self._background.wait()
+        if self.background is not None:
+            self.background.wait()
             self.barrier()
 
     # ---------------------------------------------------------------- the end
     def teardown(self) -> None:
         """Waits for a save in flight; closes the ZeRO wrappers' gradient hooks; runs no collective. The mesh and the
         parallelized model stay for the next run of this layout in this process."""
-        if self._background is not None:
-            self._background.wait()
-        self.close_optimizers()
+        try:
+            if self.background is not None and not self.failed:  # after a failure, the ranks may be gone
+                self.background.wait()
+        finally:
+            self.close_optimizers()

@@ -36,6 +36,8 @@ class Processes:
         if precision not in PRECISIONS:
             check_precision(precision, zero_stage=0)
         self.config = config
+        self.failed = False
+        """Set when this rank failed (:meth:`describe_failure`): the end then waits for nothing of the other ranks."""
         self.precision = precision
         self._layout: Layout | None = None
         self._world: tuple[int, str] | None = None
@@ -265,6 +267,7 @@ class Processes:
 
     def describe_failure(self, error: BaseException) -> str:
         """Records this rank's failure; a message for a person (:mod:`lightning_par3d.distributed.faults`)."""
+        self.failed = True
         world = self._layout.world_size if self._layout is not None else 1
         return faults.describe_failure(self.rank, world, error, self.config.timeout_s)
 

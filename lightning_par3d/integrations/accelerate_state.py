@@ -45,6 +45,7 @@ class Par3DStateCheckpoints(Accelerator):
         and optimizers as one sharded DCP checkpoint (``output_dir/par3d``), loadable at any layout."""
         models, optimizers = self._models, self._optimizers  # type: ignore[has-type]
         self._models, self._optimizers = [], []
+        self.engine.wait_for_saves()  # Accelerate's total_limit may remove the folder a save still writes
         try:
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         finally:
@@ -53,6 +54,12 @@ class Par3DStateCheckpoints(Accelerator):
         # Accelerate saves and restores each process's random generators itself
         self.engine.save(Path(location) / "par3d", {"step": self.step}, states, streams=False)  # type: ignore[has-type]
         return location
+
+    def end_training(self) -> None:
+        """Waits for a save still written in the background, then Accelerate's end (which may destroy the process
+        group the save uses)."""
+        self.engine.wait_for_saves()
+        super().end_training()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """The counterpart of :meth:`save_state`; the checkpoint may come from another layout."""

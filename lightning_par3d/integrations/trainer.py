@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
+from lightning_par3d.engine.checkpoints import after_saves
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_compile import TakesCompiledModules
@@ -313,8 +314,9 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Removes an older checkpoint (rank 0), once a save still written in the background has its name."""
         if self.is_global_zero:
-            remove_checkpoint(Path(filepath))
+            after_saves(self.engine.background, lambda: remove_checkpoint(Path(filepath)))
 
     # ---------------------------------------------------------------- the end
     @override

@@ -189,7 +189,7 @@ class PipelineRunner:
         dummy_targets = torch.zeros(first.shape[0], device=device)
         self._check_call(pending)
         schedule = self.schedule_for(self.microbatches_for(first.shape[0]))
-        self._loss_fn, self._grad_scale = _zero_loss, 1.0
+        self._loss_fn, self._grad_scale, self._share = _zero_loss, 1.0, None  # no training step's token share
         try:
             outputs = schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)
         finally:
