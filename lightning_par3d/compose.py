@@ -38,6 +38,7 @@ from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_d
 from lightning_par3d.parallel.materialize import BuildState, capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.parallel.metric_state import detach_metrics, metrics_in, reattach_metrics, snapshot
 from lightning_par3d.parallel.precision import fsdp_mixed_precision
+from lightning_par3d.parallel.sequence_parallel import sequence_parallel_plan
 from lightning_par3d.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_divisibility,
@@ -66,9 +67,12 @@ class ParallelizeReport:
     pipeline: str = "none"
     activation_checkpointing: str = "none"
     compiled: str = "none"
+    sequence_parallel: bool = False
 
     def __str__(self) -> str:
         text = f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
+        if self.sequence_parallel:
+            text += "sequence parallel (the residual stream split over tp); "
         if self.pipeline != "none":
             text += f"pipeline: {self.pipeline}; "
         if self.activation_checkpointing != "none":
@@ -130,6 +134,7 @@ def parallelize(
         pipeline=_describe_pipeline(mesh, config) if spec is not None else "none",
         activation_checkpointing=_describe_ac(config, checkpointed),
         compiled=_describe_compile(module, config, cache_off),
+        sequence_parallel=any(style == "sequence_shard" for style in fqn_styles.values()),
     )
     runner = build_runner(stage_modules, mesh, device) if stage_modules else None
     forward_module = (
@@ -199,7 +204,7 @@ def _parallelize_stages(
     indices = layout.stage_indices(mesh.coords(dist.get_rank()).pp)
     stages, checkpointed = [], 0
     for index in indices:
-        stage = build_stage(trunk, plan, index, layout.n_stages)
+        stage = build_stage(trunk, plan, index, layout.n_stages, sequence_shards(config, layout))
         checkpointed += parallelize_stage(stage, plan, index, mesh, config, precision, fqn_styles, spec.trunk)
         stages.append(stage)
     holder = empty_holder(trunk, plan.parts)  # the trunk object itself, now holding nothing
@@ -209,14 +214,21 @@ def _parallelize_stages(
     return stages, checkpointed
 
 
-def build_stage(trunk: nn.Module, plan: StagePlan, index: int, n_stages: int) -> nn.Module:
+def sequence_shards(config: Par3DConfig, layout: Layout) -> int:
+    """How many sequence shards the hidden states between pipeline stages are split into (tp under
+    ``sequence_parallel=True``, else 1)."""
+    return layout.tp if config.sequence_parallel and layout.tp > 1 else 1
+
+
+def build_stage(trunk: nn.Module, plan: StagePlan, index: int, n_stages: int, shards: int = 1) -> nn.Module:
     """Stage ``index`` of ``trunk``: a deep copy that keeps only what the stage owns (:meth:`StagePlan.build`),
-    and, for a transformers decoder, runs its own part of the model's forward."""
+    and, for a transformers decoder, runs its own part of the model's forward (``shards``: the sequence shards a
+    later stage receives, :func:`sequence_shards`)."""
     stage = plan.build(trunk, index)
     decoder = decoder_layout(trunk)
     if decoder is not None:
         layer_numbers = [int(name.rsplit(".", 1)[1]) for name in plan.blocks[index]]
-        install_stage_forward(stage, decoder, layer_numbers, index == 0, index == n_stages - 1)
+        install_stage_forward(stage, decoder, layer_numbers, index == 0, index == n_stages - 1, shards)
     return stage
 
 
@@ -290,7 +302,7 @@ def checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, s
         )
     fqn_styles = plan_tied_weights(module, expand_plan(module, plan))
     check_divisibility(module, fqn_styles, tp)
-    return fqn_styles
+    return sequence_parallel_plan(module, fqn_styles) if config.sequence_parallel else fqn_styles
 
 
 def _describe_ac(config: Par3DConfig, blocks: int) -> str:

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 
+from tests import hf_runs
 from tests.gpt_runs import run_par3d
 
 
@@ -22,10 +23,10 @@ class GraphCounter(L.Callback):
         self.graphs.append(int(counters["stats"]["unique_graphs"]))
 
 
-def run_compiled(strategy: dict[str, Any], devices: int, **kwargs: Any) -> dict[str, Any]:
-    """:func:`~tests.gpt_runs.run_par3d` with ``strategy``, dynamo's caches and counters cleared before and after (a
-    pool worker serves many tests: nothing compiled here outlives the run); the result adds ``graphs``, the count
-    after each step."""
+def run_compiled(strategy: dict[str, Any], devices: int, transformers: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """:func:`~tests.gpt_runs.run_par3d` (``transformers``: :func:`~tests.hf_runs.run_par3d`, the tiny Llama) with
+    ``strategy``, dynamo's caches and counters cleared before and after (a pool worker serves many tests: nothing
+    compiled here outlives the run); the result adds ``graphs``, the count after each step."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -33,7 +34,8 @@ def run_compiled(strategy: dict[str, Any], devices: int, **kwargs: Any) -> dict[
     counters.clear()
     counter = GraphCounter()
     try:
-        result = run_par3d(strategy=strategy, devices=devices, extra_callbacks=[counter], **kwargs)
+        run = hf_runs.run_par3d if transformers else run_par3d
+        result = run(strategy=strategy, devices=devices, extra_callbacks=[counter], **kwargs)
     finally:
         torch._dynamo.reset()
         counters.clear()

@@ -92,6 +92,7 @@ def run_par3d(
     logits_of: torch.Tensor | None = None,
     data: dict[str, Any] | None = None,
     own_plan: bool = False,
+    extra_callbacks: list[L.Callback] | None = None,
 ) -> dict[str, Any]:
     """One par3d run inside a pool worker. ``own_plan``: the module's ``tp_plan`` hook returns the transformers
     model's own plan (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
@@ -109,6 +110,7 @@ def run_par3d(
     par3d = Par3DStrategy(timeout_s=120, **strategy)
     recorder = LossRecorder()
     callbacks: list[L.Callback] = [recorder] + ([SavePretrained(export_to)] if export_to else [])
+    callbacks += extra_callbacks or []
     kwargs = trainer_kwargs(max_steps=max_steps)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **kwargs)
     lm = (_OwnPlanRecorder if own_plan else _BuildRecorder)(**{**TINY, **(model or {})})

@@ -1,8 +1,12 @@
 """``layout="auto"``: the layout chosen at launch, on the job's own ranks, by the planner (every rank measures the
 machine, rank 0 plans in a fresh interpreter and sends the choice), trains like any other layout: to the
-single-process losses and parameters, at the global batch it gives (``rank_batch × dp``)."""
+single-process losses and parameters, at the global batch the user set (``global_batch``, or the loader's
+``batch_size`` × the data-parallel size the sizes set give without ``"auto"``), whatever dp it chose: the per-rank
+batch and ``accumulate_grad_batches`` are the plan's."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -14,9 +18,11 @@ from tests.conftest import assert_parity
 from tests.gpt_runs import run_par3d, run_reference
 
 
-def _trained(pool: object, devices: int, rank_batch: int, **strategy: object) -> tuple[dict, object]:
-    """One auto run; every rank trained the same layout, and rank 0's log says which and why."""
-    results = pool.run(run_par3d, strategy=dict(layout="auto", **strategy), devices=devices, rank_batch=rank_batch)
+def _trained(pool: object, devices: int, rank_batch: int, root: object, **strategy: object) -> tuple[dict, object]:
+    """One auto run, its measured choices kept in ``root``; every rank trained the same layout, and rank 0's log
+    says which and why."""
+    strategy = dict(layout="auto", **strategy)
+    results = pool.run(run_par3d, strategy=strategy, devices=devices, rank_batch=rank_batch, default_root_dir=str(root))
     layout = results[0]["layout"]
     assert all(result["layout"] == layout for result in results)
     log = pool.log_tail(0, chars=20000)
@@ -24,36 +30,80 @@ def _trained(pool: object, devices: int, rank_batch: int, **strategy: object) ->
     return results[0], layout
 
 
-def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4):
-    got, layout = _trained(pool4, 4, rank_batch=2)
+def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4, tmp_path):
+    """batch_size 2 on 4 ranks: the global batch is 8 at any chosen dp. The 3 layouts predicted fastest are
+    measured first (the default), in the same processes: the run after them is one process's all the same. A
+    second launch of the same job (a restart, a resume) takes the kept choice without measuring again."""
+    got, layout = _trained(pool4, 4, rank_batch=2, root=tmp_path)
     assert layout.world_size == 4
-    assert_parity(got, run_reference(global_batch=2 * layout.dp))
+    reference = run_reference(global_batch=8)
+    assert_parity(got, reference)
+    log = pool4.log_tail(0, chars=20000)
+    assert "It takes the global batch of 8 samples as batch_size" in log
+    assert "par3d layout='auto': measured the 3 layouts predicted fastest, 3 steps each" in log, log
+    assert log.count(" chosen") == 1
+    kept = json.loads((tmp_path / "par3d_auto_layout.json").read_text())
+    (entry,) = kept.values()
+    assert len(entry["measured"]) == 3 and entry["arguments"]["tp"] == layout.tp
+
+    again, layout_again = _trained(pool4, 4, rank_batch=2, root=tmp_path)
+    log = pool4.log_tail(0, chars=4000)
+    assert "measured fastest for this job before" in log and "not measuring again" in log, log
+    assert layout_again == layout
+    assert_parity(again, reference)
 
 
-def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8):
-    """``tp=2`` stays; pp, the data-parallel sizes, the ZeRO stage, the schedule and checkpointing are searched."""
-    got, layout = _trained(pool8, 8, rank_batch=4, tp=2)
+def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8, tmp_path):
+    """``tp=2`` stays; pp, the data-parallel sizes, the ZeRO stage, the schedule and checkpointing are searched;
+    the global batch is batch_size 4 × the 4 data-parallel ranks tp=2 leaves."""
+    got, layout = _trained(pool8, 8, rank_batch=4, root=tmp_path, tp=2)
     assert layout.tp == 2 and layout.world_size == 8
-    assert_parity(got, run_reference(global_batch=4 * layout.dp))
+    assert_parity(got, run_reference(global_batch=16))
+
+
+def test_auto_accumulates_where_the_per_rank_batch_does_not_fit(pool4, tmp_path):
+    """global_batch=16 with dp=4 pinned (pure replication) and 1 MiB a device: batch_size 4 a rank does not fit,
+    so the plan takes 2 a rank × 2 accumulated batches; the loader (batch_size 4) is re-made at 2, Lightning
+    accumulates 2, and the run is one process's at 16 samples a step."""
+    strategy = dict(dp_replicate=4, dp_shard=1, global_batch=16, plan_device_memory="1MiB", measure=0)
+    got, layout = _trained(pool4, 4, rank_batch=4, root=tmp_path, **strategy)
+    assert layout.dp == 4
+    log = pool4.log_tail(0, chars=20000)
+    assert "batch_size 2 per data-parallel rank × dp=4 × accumulate_grad_batches=2" in log, log
+    losses = got["losses"]  # per batch: each the step's token-mean share of its half of the 16 samples
+    assert len(losses) == 12
+    steps = [first + second for first, second in zip(losses[::2], losses[1::2], strict=True)]
+    assert_parity(dict(got, losses=steps), run_reference(global_batch=16))
 
 
 def test_auto_under_accelerate_plans_in_prepare_from_the_dataloader(pool4):
     from tests.accelerate_runs import accelerate_loop, single_process_loop
 
     got = pool4.run(accelerate_loop, strategy=dict(layout="auto"), rank_batch=2)
-    dp = got[0]["dp"]
-    assert "par3d layout='auto': chose " in pool4.log_tail(0, chars=20000)
-    assert_parity(got[0], single_process_loop(global_batch=2 * dp))
+    log = pool4.log_tail(0, chars=20000)
+    assert f"global batch of 8 samples as batch_size {8 // got[0]['dp']} per data-parallel rank" in log, log
+    assert_parity(got[0], single_process_loop(global_batch=8))  # batch_size 2 × 4 ranks, re-made at 8 / dp
 
 
 def test_auto_under_fabric_plans_in_setup_module_from_plan_batch(pool4):
     """Fabric sets the model up before any dataloader: the batch's shape comes from ``plan_batch``; the loop reads
     the global batch of 8 at whatever dp was chosen."""
     from tests.accelerate_runs import fabric_loop, single_process_loop
+    from tests.harness import RankError
 
     got = pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32]))
     assert "par3d layout='auto': chose " in pool4.log_tail(0, chars=20000), got[0]["layout"]
     assert_parity(got[0], single_process_loop())
+    with pytest.raises(RankError, match=r"measure=2, but there is no batch to measure with here \(Fabric"):
+        pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32], measure=2))
+
+
+def test_measuring_more_layouts_than_fit_is_refused_on_every_rank(pool2, tmp_path):
+    from tests.harness import RankError
+
+    strategy = dict(layout="auto", measure=50)
+    with pytest.raises(RankError, match=r"measure=50, but only \d+ layouts fit: give measure \d+ or fewer"):
+        pool2.run(run_par3d, strategy=strategy, devices=2, rank_batch=4, default_root_dir=str(tmp_path))
 
 
 # ---------------------------------------------------------------- before any process
@@ -71,6 +121,17 @@ def test_bad_auto_settings_fail_before_launch():
         engine.resolve(4)
     with pytest.raises(ValueError, match=r"machine='a-cluster-of-toasters' is not a known profile"):
         Par3DEngine(Par3DConfig(layout="auto", plan_machine="a-cluster-of-toasters")).resolve(4)
+    with pytest.raises(ValueError, match=r"global_batch=0 must be a positive number of samples per optimizer step"):
+        Par3DEngine(Par3DConfig(layout="auto", global_batch=0))
+    with pytest.raises(ValueError, match=r"global_batch=16 set, but layout=None"):
+        Par3DEngine(Par3DConfig(global_batch=16))
+    with pytest.raises(ValueError, match=r"measure=-1 must be how many of the fastest predicted layouts to measure"):
+        Par3DEngine(Par3DConfig(layout="auto", measure=-1))
+    with pytest.raises(ValueError, match=r"measure=2 set, but layout=None"):
+        Par3DEngine(Par3DConfig(measure=2))
+    pinned = Par3DEngine(Par3DConfig(layout="auto", dp_replicate=2, dp_shard=2, global_batch=6))
+    with pytest.raises(ValueError, match=r"global_batch=6 does not split over the dp=4 .* nearest that do: 4 or 8"):
+        pinned.resolve(8)
 
 
 def test_the_layout_is_read_after_it_is_chosen():

@@ -50,3 +50,11 @@ def test_async_save_benchmark_runs(pool2, tmp_path):
     pool2.run(launched_run, mode="async", steps=3, every=1, n_embd=32, n_layer=2, out=out)
     got = json.loads(out.read_text())
     assert len(got["saves"]) >= 3 and len(got["steps"]) == 3 and got["params"] > 0
+
+
+def test_compile_benchmark_runs(pool4):
+    """Its eager side (the compiled side is tests/test_compile.py's inductor case)."""
+    from benchmarks.bench_compile import timed_run
+
+    times = pool4.run(timed_run, layout="dp2xtp2", compiled=False, steps=3)[0]
+    assert len(times) == 3 and all(t > 0 for t in times)

@@ -74,6 +74,30 @@ def test_inductor_on_cpu_trains_on_the_single_process_trajectory(pool2):
         assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
 
 
+def test_3d_with_sequence_parallelism_traces_on_the_single_process_trajectory(pool8):
+    """pp2 × dp_shard2 × tp2 on 8 ranks, sequence-parallel: each stage's block compiled with its DTensor hooks."""
+    from tests.compile_runs import run_compiled
+
+    strategy = dict(pp=2, dp_shard=2, tp=2, sequence_parallel=True, **TRACED)
+    ranks = pool8.run(run_compiled, strategy=strategy, devices=8, max_steps=4)
+    assert_parity(ranks[0], run_reference(max_steps=4))
+    for rank in ranks:
+        assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
+
+
+def test_a_transformers_llama_compiles_per_layer(pool4):
+    """An unmodified transformers Llama with its own plan at dp_shard=2 × tp=2: each decoder layer compiled in place
+    (its attention through transformers' own SDPA path), one process's losses and parameters."""
+    from tests.compile_runs import run_compiled
+    from tests.hf_runs import run_reference as llama_reference
+
+    strategy = dict(dp_shard=2, tp=2, tp_plan="auto", **TRACED)
+    ranks = pool4.run(run_compiled, strategy=strategy, devices=4, transformers=True, max_steps=4)
+    assert_parity(ranks[0], llama_reference({}, max_steps=4))
+    for rank in ranks:
+        assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
+
+
 @functools.cache
 def one_batch_reference() -> dict:
     return run_reference(max_steps=4, data=ONE_BATCH_EPOCHS)

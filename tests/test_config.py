@@ -47,6 +47,8 @@ def test_resolves_sizes(fields, world, expected):
         (dict(init="zeros"), 4, "init='zeros' is not an init mode. Allowed: 'rank0', 'meta'"),
         (dict(timeout_s=0), 4, "timeout_s=0 must be a positive number of seconds"),
         (dict(tp_plan={"h.*.mlp.c_fc": "columnwise"}), 4, "tp_plan['h.*.mlp.c_fc']='columnwise' is not a"),
+        (dict(sequence_parallel=True), 4, "sequence_parallel=True splits the sequence over the tensor-parallel"),
+        (dict(sequence_parallel="yes", tp=2), 4, "sequence_parallel='yes' must be True or False"),
     ],
 )
 def test_bad_values_name_the_value_and_the_fix(fields, world, message):

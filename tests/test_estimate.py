@@ -72,6 +72,8 @@ LAYOUTS = [
     pytest.param(dict(pp=2, tp=2, microbatches=4), 4, id="pp2xtp2-1f1b"),
     pytest.param(dict(pp=2, dp_shard=2, zero_stage=1, microbatches=2), 4, id="pp2xdp2-zero1"),
     pytest.param(dict(dp_shard=2, tp=2, activation_checkpointing="full"), 4, id="dp2xtp2-full-ac"),
+    pytest.param(dict(dp_shard=2, tp=2, sequence_parallel=True), 4, id="dp2xtp2-sequence-parallel"),
+    pytest.param(dict(pp=2, tp=2, sequence_parallel=True), 4, id="pp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, tp=2, activation_checkpointing="op"), 4, id="pp2xtp2-op-ac"),
     pytest.param(dict(pp=2, pipeline_schedule="gpipe", microbatches=4), 2, id="pp2-gpipe"),
     pytest.param(

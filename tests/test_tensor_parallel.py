@@ -131,9 +131,20 @@ def test_find_plan_sources():
 # ---------------------------------------------------------------- multi-process
 
 
+class SeqMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in, self.fc_out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(torch.relu(self.fc_in(x)))  # (B, T / tp, 8) after rowwise_seq
+
+
 class StyleNet(nn.Module):
     """Exercises the styles: vocab- and width-parallel embeddings, replicated norm, colwise→rowwise pairs,
-    rowwise_split_input on a replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, a packed
+    rowwise_split_input on a replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, a
+    sequence-parallel region entered by sequence_shard, its MLP gathering once (gather_sequence) and left through a
+    colwise_seq_gather_output head, a packed
     [gate; up] projection feeding a rowwise one and another feeding a packed_rowwise one, a per-head norm whose
     gradient is summed over the ranks, and a gathered head; 4.x names beside 5.x ones."""
 
@@ -157,6 +168,11 @@ class StyleNet(nn.Module):
         self.heads = nn.Linear(8, 16)  # 4 heads of 4
         self.head_norm = nn.LayerNorm(4)  # per head, on each rank's own heads
         self.heads_out = nn.Linear(16, 8)
+        self.seq_enter = nn.Identity()  # the first module of a sequence-parallel region: gets its shard
+        self.seq_norm = nn.LayerNorm(8)
+        self.seq_mlp = SeqMLP()  # gathers the sequence once for its column-wise projection
+        self.seq_norm2 = nn.LayerNorm(8)
+        self.seq_head = nn.Linear(8, 8)
         self.head = nn.Linear(8, 16)
 
     plan = {
@@ -178,6 +194,13 @@ class StyleNet(nn.Module):
         "heads": "colwise",
         "head_norm": "replicated_with_grad_allreduce",
         "heads_out": "rowwise",
+        "seq_enter": "sequence_shard",
+        "seq_norm": "sequence_parallel",
+        "seq_mlp": "gather_sequence",
+        "seq_mlp.fc_in": "colwise",
+        "seq_mlp.fc_out": "rowwise_seq",
+        "seq_norm2": "sequence_parallel",
+        "seq_head": "colwise_seq_gather_output",
         "head": "colwise_gather_output",
     }
 
@@ -193,6 +216,9 @@ class StyleNet(nn.Module):
         h = self.heads(x)  # (B, T, 16 / tp): this rank's heads
         h = self.head_norm(h.view(*h.shape[:2], -1, 4)).flatten(2)  # (B, T, 16 / tp)
         x = x + self.heads_out(h)  # (B, T, 8)
+        s = self.seq_enter(x)  # (B, T / tp, 8): this rank's sequence shard
+        s = s + self.seq_mlp(self.seq_norm(s))  # (B, T / tp, 8)
+        x = x + self.seq_head(self.seq_norm2(s))  # (B, T, 8): gathered
         return self.head(x)  # (B, T, 16)
 
 

@@ -89,6 +89,13 @@ class Par3DConfig:
     behaviour). False keeps them gathered from forward to backward: more memory, fewer all-gathers. None: True,
     except under pp > 1, where parameters stay gathered across the microbatches of a step."""
 
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism over the tp ranks: the residual stream between the tensor-parallel regions
+    (norms, dropouts, residual additions) is split along the sequence, so its activations take ``1 / tp`` of the
+    memory, for the same communication volume. The plan (the model's own or ``tp_plan``, written without it) gets
+    its sequence-parallel entries derived (see lightning_par3d.parallel.sequence_parallel); the sequence length must
+    divide by tp. Needs tp > 1 (under ``layout="auto"``, nothing changes where the chosen tp is 1)."""
+
     activation_checkpointing: str = "none"
     """Recompute activations in backward instead of keeping them: ``"none"``, ``"full"`` (every block),
     ``"selective"`` (every ``ac_every``-th block), or ``"op"`` (every block, saving only matmul, attention and
@@ -191,6 +198,22 @@ class Par3DConfig:
     plan_device_memory: int | str | None = None
     """With ``layout="auto"``: the memory of one device the layout must fit in, bytes or a size (``"40GiB"``).
     None: the device's own (a GPU's total memory; on CPUs the machine's memory shared by its local ranks)."""
+
+    global_batch: int | None = None
+    """With ``layout="auto"``: the samples of one optimizer step over every data-parallel rank, which every layout
+    the planner weighs keeps, so that the layout changes the speed and never the training math. None: the training
+    dataloader's ``batch_size`` × the data-parallel size the configuration names without ``"auto"`` (``dp`` if set,
+    else the world size ÷ the ``tp`` × ``pp`` set here) × ``accumulate_grad_batches``. Under the Trainer the chosen
+    layout takes it as its own per-rank batch and ``accumulate_grad_batches`` (the planner takes the fewest
+    accumulated batches whose per-rank batch fits; the dataloader is re-made with that ``batch_size``); under Fabric
+    and Accelerate, whose loops accumulate as the user writes them, as one batch per data-parallel rank."""
+
+    measure: int | None = None
+    """With ``layout="auto"``: train the ``measure`` layouts the planner predicts fastest for a few steps each, in
+    the job's own processes, and keep the fastest measured (``lightning_par3d.engine.measure``; the run starts from
+    what it would have had without measuring). None: 3 where the front-end has a batch to measure with at launch
+    (the Trainer, Accelerate), else none (Fabric plans before any dataloader). 0: train the predicted fastest. Costs
+    about ``measure × 4`` steps and a model build each, once per launch."""
 
     plan_batch: list[int] | None = None
     """With ``layout="auto"``: ``[samples per data-parallel rank, sequence length]`` of a training batch, which the

@@ -33,11 +33,18 @@ transformers model's own plan works as it is:
                               shards, the entry to a sequence-parallel region.
 ``colwise_seq``               par3d: ``ColwiseParallel(input_layouts=Shard(1))``, all-gather the sequence shards
                               first, the exit from a sequence-parallel region.
+``colwise_seq_gather_output`` par3d: ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``: a
+                              vocabulary-parallel LM head after a sequence-parallel final norm.
+``sequence_shard``            par3d: the module's input (first tensor argument or ``hidden_states=``) is whole on every
+                              rank; the module gets this rank's sequence shard (the first block's entry).
+``gather_sequence``           par3d: the module's input is this rank's sequence shard; the module gets the whole
+                              sequence, once for all the column-wise projections inside it (attention, MLP).
 ============================  ==========================================================================================
 
 Expert-parallel (MoE) styles are refused with a clear error: :data:`REFUSED_STYLES`. ``sequence_parallel`` expects
 sequence-sharded input, so use it between a ``rowwise_seq`` and a ``colwise_seq`` (the Megatron sequence-parallel
-pattern): norms and dropout then run on 1/tp of the tokens.
+pattern): norms and dropout then run on 1/tp of the tokens. ``Par3DConfig(sequence_parallel=True)`` derives such a
+plan from a plain one (:mod:`lightning_par3d.parallel.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ CANONICAL_STYLES = (
     "replicate",
     "rowwise_seq",
     "colwise_seq",
+    "colwise_seq_gather_output",
+    "sequence_shard",
+    "gather_sequence",
 )
 ALIASES = {
     "colwise_rep": "colwise_gather_output",
@@ -93,8 +103,18 @@ SPLITTING_STYLES = (
     "packed_rowwise",
     "rowwise_seq",
     "colwise_seq",
+    "colwise_seq_gather_output",
 )
 """Styles that split a weight matrix: the dimension they split must divide by tp."""
+SEQUENCE_STYLES = (
+    "rowwise_seq",
+    "colwise_seq",
+    "colwise_seq_gather_output",
+    "sequence_parallel",
+    "sequence_shard",
+    "gather_sequence",
+)
+"""Styles of a sequence-parallel plan."""
 PACK = 2
 """Components of a packed projection (transformers' ``split_factor``: [gate; up])."""
 

@@ -60,12 +60,24 @@ def _check_auto(config: Par3DConfig, errors: _Errors) -> None:
             "launch by lightning_par3d.plan)."
         )
         return
-    planning = {name: getattr(config, name) for name in ("plan_machine", "plan_device_memory", "plan_batch")}
+    names = ("plan_machine", "plan_device_memory", "plan_batch", "global_batch", "measure")
+    planning = {name: getattr(config, name) for name in names}
     given = [f"{name}={value!r}" for name, value in planning.items() if value is not None]
     if config.layout is None and given:
         errors.add(
             f"{', '.join(given)} set, but layout=None: they tell layout='auto' how to plan. Set layout='auto', or "
             "drop them."
+        )
+    if config.global_batch is not None and (
+        isinstance(config.global_batch, bool) or not isinstance(config.global_batch, int) or config.global_batch < 1
+    ):
+        errors.add(f"global_batch={config.global_batch!r} must be a positive number of samples per optimizer step.")
+    if config.measure is not None and (
+        isinstance(config.measure, bool) or not isinstance(config.measure, int) or config.measure < 0
+    ):
+        errors.add(
+            f"measure={config.measure!r} must be how many of the fastest predicted layouts to measure: 0 or more "
+            "(0: none; None: 3 where a batch is at hand)."
         )
     batch = config.plan_batch
     if batch is not None and (
@@ -99,6 +111,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
         )
     _check_positive_int(errors, "ac_every", config.ac_every, "checkpoint every n-th block under 'selective'")
     _check_compile(config, errors)
+    _check_sequence_parallel(config, errors)
     _check_loss_mean(config, errors)
     if isinstance(config.tp_plan, dict):
         for pattern, style in config.tp_plan.items():
@@ -108,6 +121,16 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
         errors.add(
             f"tp_plan={config.tp_plan!r} must be a dict of module-name pattern → style, or 'auto' (the transformers "
             "model's own plan)."
+        )
+
+
+def _check_sequence_parallel(config: Par3DConfig, errors: _Errors) -> None:
+    if not isinstance(config.sequence_parallel, bool):
+        errors.add(f"sequence_parallel={config.sequence_parallel!r} must be True or False.")
+    elif config.sequence_parallel and config.tp == 1 and config.layout != "auto":
+        errors.add(
+            "sequence_parallel=True splits the sequence over the tensor-parallel ranks, but tp=1. Set tp > 1, or "
+            "sequence_parallel=False."
         )
 
 

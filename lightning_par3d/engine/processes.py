@@ -19,10 +19,11 @@ from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.metric_sync import SyncFn, attach_metric_sync, quiet_compute_before_update
 from lightning_par3d.engine import collectives, tokens
 from lightning_par3d.engine.elastic import relayout
+from lightning_par3d.engine.measure import MeasureWith, choose
 from lightning_par3d.parallel.compile import check_compile
 from lightning_par3d.parallel.compression import check_compression_device
 from lightning_par3d.parallel.precision import PRECISIONS, check_precision
-from lightning_par3d.planning.at_launch import check_before_launch, choose_at_launch
+from lightning_par3d.planning.at_launch import BatchSplit, check_before_launch
 from lightning_par3d.planning.calibrate import calibrate_job
 
 
@@ -49,6 +50,9 @@ class Processes:
         """Under ``elastic=True``, what :meth:`resolve` changed in the sizes to fit the world (None: nothing)."""
         self._backend = "gloo"
         self._tokens: tokens.TokenMean | None = None
+        self.batch_split: BatchSplit | None = None
+        """Under ``layout="auto"``, once chosen: how the layout takes the global batch (per-rank batch size and
+        accumulated batches), which the front-end applies to the training data."""
 
     def resolve(self, world_size: int, device_type: str = "cpu") -> Layout | None:
         """Validates the configuration against the world size, the precision and the device type, and fixes the
@@ -134,22 +138,34 @@ class Processes:
             warnings.warn(f"par3d: {across}", stacklevel=3)
 
     def choose_layout(
-        self, module: nn.Module | None, rank_batch: int, seq_len: int, devices_per_node: int | None = None
+        self,
+        module: nn.Module | None,
+        rank_batch: int,
+        seq_len: int,
+        devices_per_node: int | None = None,
+        accumulate: int | None = None,
+        sample: MeasureWith | None = None,
     ) -> Layout:
         """``layout="auto"``: plans the layout at launch (every rank, after :meth:`setup`, before the model is
         parallelized; see :mod:`lightning_par3d.planning.at_launch`), makes the chosen configuration this engine's,
         and builds its mesh. ``module`` is the model before ``configure_model`` (a LightningModule, or a factory of
         an ``nn.Module``), needed on rank 0 only; ``rank_batch`` and ``seq_len`` are a training batch's samples per
         data-parallel rank and tokens per sample; ``devices_per_node`` defaults to the launcher's
-        devices per node :meth:`setup` found."""
+        devices per node :meth:`setup` found. ``accumulate``: the Trainer's ``accumulate_grad_batches``, which the
+        chosen layout may change to keep the global batch (None where the user's loop accumulates).
+        :attr:`batch_split` then says how the layout takes the global batch. ``sample``: the model and a batch to
+        measure the fastest predicted layouts with, on every rank (``measure``; :mod:`lightning_par3d.engine.
+        measure`); None: train the fastest predicted."""
         if not self.awaits_layout:
             raise RuntimeError("Par3DEngine.choose_layout() is for layout='auto', once, after setup().")
         world = dist.get_world_size()
         local = devices_per_node or self.devices_per_node
-        self.config = choose_at_launch(
-            self.config, module, world_size=world, devices_per_node=local, rank_batch=rank_batch, seq_len=seq_len,
-            precision=self.precision, device=self.device, measure=self.calibrate,
+        chosen = choose(
+            self.config, module, sample, world_size=world, devices_per_node=local, rank_batch=rank_batch,
+            seq_len=seq_len, precision=self.precision, device=self.device, calibrate=self.calibrate,
+            accumulate=accumulate,
         )  # fmt: skip
+        self.config, self.batch_split = chosen.config, chosen.split
         self._world = None
         layout = self.resolve(world, self.device.type)
         assert layout is not None

@@ -25,10 +25,29 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.measure import measure_with
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.pipeline.trunk import PipelineHost
-from lightning_par3d.planning.at_launch import batch_shape, meta_copy
+from lightning_par3d.planning.at_launch import batch_shape, meta_copy, surrogate_loss
 from lightning_par3d.utils.model_changes import set_attribute
+
+
+def rebatch(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``loader`` re-made with ``batch_size`` (its dataset, sampler, collation and workers kept), before Accelerate
+    shards it over the data-parallel ranks."""
+    return DataLoader(
+        loader.dataset,
+        batch_size=batch_size,
+        sampler=loader.sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
 
 
 class PreparedForPar3D(Accelerator):
@@ -44,15 +63,16 @@ class PreparedForPar3D(Accelerator):
         dataloaders, in one call or several."""
         self._prepared_in_this_call = []
         if self.engine.awaits_layout:
-            self._choose_layout(args)
+            args = self._choose_layout(args)
         try:
             return super().prepare(*args, device_placement=device_placement)
         finally:
             self._prepared_in_this_call = []
 
-    def _choose_layout(self, args: tuple[Any, ...]) -> None:
+    def _choose_layout(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``layout="auto"``: the layout chosen here, for the first model among ``args`` and the shape of a batch of
-        their first dataloader (or ``plan_batch``)."""
+        their first dataloader (or ``plan_batch``); returns ``args`` with that dataloader re-made at the per-rank
+        batch size that keeps the global batch at the chosen data-parallel size."""
         model = next((arg for arg in args if isinstance(arg, nn.Module)), None)
         if model is None:
             raise RuntimeError(
@@ -61,8 +81,13 @@ class PreparedForPar3D(Accelerator):
             )
         loader = next((arg for arg in args if isinstance(arg, DataLoader)), None)
         rank_batch, seq_len = batch_shape(self.engine.config, loader, "prepare()'s arguments")
-        plan_module = meta_copy(model) if self.is_main_process else None
-        self.engine.choose_layout(plan_module, rank_batch, seq_len)
+        copied = meta_copy(model)
+        sample = measure_with(self.engine.config, copied, loader, surrogate_loss, self.project_dir)
+        self.engine.choose_layout(copied if self.is_main_process else None, rank_batch, seq_len, sample=sample)
+        split = self.engine.batch_split
+        if loader is None or split is None or loader.batch_size in (None, split.rank_batch):
+            return args
+        return tuple(rebatch(arg, split.rank_batch) if arg is loader else arg for arg in args)
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

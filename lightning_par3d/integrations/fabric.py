@@ -39,6 +39,7 @@ from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
+from lightning_par3d.integrations.lightning_data import rebatched
 from lightning_par3d.integrations.registry import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.planning.at_launch import meta_copy
@@ -121,6 +122,8 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
         runs through the schedule. Under ``layout="auto"`` the layout is chosen here first, for ``plan_batch``
         (Fabric has no dataloader yet)."""
         if self.engine.awaits_layout:
+            planned = self.engine.config.plan_batch
+            self._planned_batch = planned[0] if planned else None
             self.plan_layout(meta_copy(module), None, "Fabric, which sets up the model before any dataloader,")
         trained = self.engine.parallelize(module)
         shared.point_at_device(self.engine.module, self.root_device)
@@ -156,8 +159,13 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Under ``loss_mean="tokens"``, each dataloader read one accumulation window ahead
+        """Under ``layout="auto"``, a dataloader whose ``batch_size`` is the planned one (``plan_batch``'s) re-made at
+        the per-rank batch size that keeps the global batch at the chosen data-parallel size; under
+        ``loss_mean="tokens"``, each dataloader read one accumulation window ahead
         (:func:`~lightning_par3d.engine.tokens.read_ahead`; Fabric cannot tell a training loader from another)."""
+        split, planned = self.engine.batch_split, getattr(self, "_planned_batch", None)
+        if split is not None and getattr(dataloader, "batch_size", None) == planned != split.rank_batch:
+            dataloader = rebatched(self.engine, dataloader)
         return read_ahead(self.engine.token_mean, dataloader)
 
     def eval_step(self, module: Module, inputs: Any, targets: Tensor, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:

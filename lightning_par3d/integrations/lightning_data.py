@@ -27,9 +27,37 @@ def check_epochs(engine: Par3DEngine, trainer: pl.Trainer) -> None:
             continue
         loaders = source.dataloader()
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            if what == "the training dataloader":
+                loader = rebatched(engine, loader)
             note = engine.check_epoch(loader, what, limits)
             if note is not None:
                 rank_zero_info(f"par3d: {note}")
+
+
+def rebatched(engine: Par3DEngine, loader: Any) -> Any:
+    """The training ``loader`` at the per-rank batch size ``layout="auto"`` chose to keep the global batch
+    (:attr:`Par3DEngine.batch_split <lightning_par3d.engine.Par3DEngine.batch_split>`): re-made with that
+    ``batch_size`` as Lightning re-makes dataloaders (its own saved arguments), or as it is where the size is already
+    right or nothing was chosen."""
+    from torch.utils.data import DataLoader
+
+    split = engine.batch_split
+    if split is None or not isinstance(loader, DataLoader) or loader.batch_size == split.rank_batch:
+        return loader
+    if loader.batch_size is None:
+        raise ValueError(
+            "layout='auto' keeps the global batch by choosing each rank's batch_size, but the training dataloader "
+            "batches through a batch_sampler. Give the DataLoader batch_size= (and let Lightning's sampler split the "
+            "data), or pin the layout."
+        )
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
+
+    saved_args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+    kwargs["batch_size"] = split.rank_batch
+    if "batch_sampler" in kwargs:
+        kwargs["batch_sampler"] = None
+    args = [split.rank_batch if i == 1 and isinstance(a, int) else a for i, a in enumerate(saved_args)]
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
 
 
 def data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, tuple[int | float, ...]]]:

@@ -32,6 +32,7 @@ from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.threads import set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import check_front_end
+from lightning_par3d.engine.measure import MeasureWith
 from lightning_par3d.planning.at_launch import batch_shape
 
 T = TypeVar("T")
@@ -240,13 +241,24 @@ class LightningFrontEnd:
             device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self.engine.resolve(self.num_nodes * self.num_processes, device_type)
 
-    def plan_layout(self: LightningStrategy, module: torch.nn.Module, loader: Any, where: str) -> None:
+    def plan_layout(
+        self: LightningStrategy,
+        module: torch.nn.Module,
+        loader: Any,
+        where: str,
+        accumulate: int | None = None,
+        sample: MeasureWith | None = None,
+    ) -> None:
         """``layout="auto"``: every rank plans the layout now (:meth:`Par3DEngine.choose_layout
         <lightning_par3d.engine.Par3DEngine.choose_layout>`), with ``module`` (a meta copy, before
         ``configure_model``) and the shape of a batch of ``loader`` (or ``plan_batch``; ``where`` names the loader
-        in the error if neither tells it)."""
+        in the error if neither tells it); ``accumulate``: the Trainer's ``accumulate_grad_batches``, which the
+        chosen layout may change (None: Fabric's loop accumulates as the user writes it); ``sample``: what to
+        measure the fastest predicted layouts with (None: no measuring)."""
         rank_batch, seq_len = batch_shape(self.engine.config, loader, where)
-        self.engine.choose_layout(module if self.global_rank == 0 else None, rank_batch, seq_len)
+        self.engine.choose_layout(
+            module if self.global_rank == 0 else None, rank_batch, seq_len, accumulate=accumulate, sample=sample
+        )
 
     def _note_precision(self) -> None:
         """Tells the engine the precision before the layout is resolved (Fabric; the Trainer does it when Lightning

@@ -24,10 +24,11 @@ from typing_extensions import override
 from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine.checkpoints import after_saves
+from lightning_par3d.engine.measure import measure_with
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_compile import TakesCompiledModules
-from lightning_par3d.integrations.lightning_data import check_epochs
+from lightning_par3d.integrations.lightning_data import check_epochs, rebatched
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
 from lightning_par3d.integrations.lightning_launcher import Par3DLauncher
 from lightning_par3d.integrations.lightning_logging import LogRelay
@@ -155,8 +156,12 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         module = self.lightning_module
         assert module is not None
         if self.engine.awaits_layout:  # Lightning's own resolution of the training data
-            self.plan_layout(self._plan_copy, trainer.fit_loop._data_source.dataloader(), "the training dataloader")
+            loader = trainer.fit_loop._data_source.dataloader()
+            sample = measure_with(self.engine.config, self._plan_copy, loader, None, trainer.default_root_dir)
+            self.plan_layout(self._plan_copy, loader, "the training loader", trainer.accumulate_grad_batches, sample)
             module._device_mesh = self.device_mesh
+            assert self.engine.batch_split is not None
+            trainer.accumulate_grad_batches = self.engine.batch_split.accumulate  # the global batch kept
         self.model = self.engine.parallelize(module)
         shared.point_at_device(module, self.root_device)
         spec = self.engine.pipeline_spec
@@ -236,12 +241,16 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The training dataloader: an elastic run's through an ``ElasticSampler`` (:mod:`~lightning_par3d.
-        integrations.lightning_elastic`), one accumulation window ahead (:func:`~lightning_par3d.engine.tokens.
-        read_ahead`)."""
+        """The training dataloader: at the per-rank batch size ``layout="auto"`` chose (:func:`~lightning_par3d.
+        integrations.lightning_data.rebatched`), an elastic run's through an ``ElasticSampler``
+        (:mod:`~lightning_par3d.integrations.lightning_elastic`), one accumulation window ahead
+        (:func:`~lightning_par3d.engine.tokens.read_ahead`)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        loader = self._elastic.process_dataloader(dataloader, trainer)
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        loader = self._elastic.process_dataloader(
+            rebatched(self.engine, dataloader) if training else dataloader, trainer
+        )
+        if trainer is None or not training:
             return loader
         return read_ahead(self.engine.token_mean, loader, lambda: trainer.num_training_batches)
 

@@ -345,7 +345,8 @@ class _Part:
             return root, blocks, _whole_step(root, microbatch, loss_fn)
         spec = declared_pipeline(root)
         plan = build.plan_pipeline(root, spec, config, layout)
-        part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages)
+        shards = build.sequence_shards(config, layout)
+        part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages, shards)
         own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as the run checkpoints them
         blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
         with fake_mode_paused():

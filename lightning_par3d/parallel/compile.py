@@ -67,7 +67,30 @@ def compile_in_place(block: nn.Module, options: Mapping[str, Any] | None = None)
     """``block.compile(**options)``, recorded so that :func:`~lightning_par3d.utils.model_changes.undo` takes it
     back. The block keeps its class, its name and its parameters' names."""
     compiled = torch.compile(block._call_impl, **dict(options or {}))
-    set_attribute(block, "_compiled_call_impl", compiled)
+    set_attribute(block, "_compiled_call_impl", _with_settled_inputs(compiled))
+
+
+def _with_settled_inputs(compiled: Any) -> Any:
+    """``compiled``, its tensor inputs waited for first where a collective still owes them.
+
+    torch's tensor-parallel styles end their output's collective asynchronously, and ``to_local()`` hands the next
+    module an ``AsyncCollectiveTensor``, which any eager op waits on. A block whose input comes straight from such a
+    module (a transformers model's first layer, after a vocabulary-parallel ``embed_tokens``) would receive it as a
+    graph input, and AOTAutograd (under inductor and ``aot_eager``) then routes its gradient past ``to_local``'s
+    backward: the backward fails ("'Tensor' object has no attribute '_local_tensor'") or, at dp × tp, trains
+    wrong. A ``clone`` outside the graph (one copy of the first block's input) gives the graph a plain tensor, with
+    ``to_local``'s backward in its gradient's path."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def settle(x: Any) -> Any:
+        return x.clone() if isinstance(x, AsyncCollectiveTensor) else x
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(settle(a) for a in args)
+        kwargs = {k: settle(v) for k, v in kwargs.items()}
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def is_compiled(block: nn.Module) -> bool:

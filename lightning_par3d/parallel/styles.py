@@ -26,7 +26,7 @@ def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:
         if style in ("colwise", "colwise_gather_output", "embedding_colwise"):
             return "embedding_dim", module.embedding_dim
     if isinstance(module, nn.Linear):
-        if style in ("colwise", "colwise_gather_output", "colwise_seq"):
+        if style in ("colwise", "colwise_gather_output", "colwise_seq", "colwise_seq_gather_output"):
             return "out_features", module.out_features
         if style in ("rowwise", "rowwise_split_input", "rowwise_seq"):
             return "in_features", module.in_features
@@ -54,11 +54,12 @@ def build_style(style: str, module: nn.Module) -> ParallelStyle:
         "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
         "rowwise_seq": lambda: RowwiseParallel(output_layouts=Shard(1)),
         "colwise_seq": lambda: ColwiseParallel(input_layouts=Shard(1)),
+        "colwise_seq_gather_output": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         "sequence_parallel": SequenceParallel,
     }
     if style in simple:
         return simple[style]()
-    from lightning_par3d.parallel import local_styles
+    from lightning_par3d.parallel import local_styles, sequence_styles
 
     custom: dict[str, Callable[[], ParallelStyle]] = {
         "packed_colwise": lambda: local_styles.PackedLinear(dim=0, pack=PACK),
@@ -67,6 +68,8 @@ def build_style(style: str, module: nn.Module) -> ParallelStyle:
         "all_reduce": local_styles.OutputAllReduce,
         "local_params": local_styles.LocalParams,
         "replicate": _replicate_style,
+        "sequence_shard": sequence_styles.SequenceShard,
+        "gather_sequence": sequence_styles.GatherSequence,
     }
     if style in custom:
         return custom[style]()

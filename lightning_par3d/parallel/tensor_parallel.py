@@ -180,7 +180,14 @@ def keep_grads_in_param_layout(module: nn.Module) -> int:
 
 
 _WEIGHT_SHARD = {
-    "linear": {"colwise": 0, "colwise_gather_output": 0, "colwise_seq": 0, "rowwise": 1, "rowwise_split_input": 1},
+    "linear": {
+        "colwise": 0,
+        "colwise_gather_output": 0,
+        "colwise_seq": 0,
+        "colwise_seq_gather_output": 0,
+        "rowwise": 1,
+        "rowwise_split_input": 1,
+    },
     "embedding": {"rowwise": 0, "rowwise_split_input": 0, "embedding_rowwise": 0, "colwise": 1, "embedding_colwise": 1},
 }
 """The weight dim each style shards, per module kind (the rowwise_seq input side is left out: a tied weight must

@@ -107,14 +107,17 @@ def check_pipelinable(model: nn.Module) -> None:
         )
 
 
-def install_stage_forward(stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool) -> None:
+def install_stage_forward(
+    stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool, shards: int = 1
+) -> None:
     """Makes ``stage`` (a copy of the model holding this stage's parts) run only its part: see the module
-    docstring."""
-    stage.forward = _stage_forward(stage, layout, layers, first, last)
+    docstring. ``shards``: under sequence parallelism, the hidden states a later stage receives are this rank's
+    ``1 / shards`` of the sequence; its positions and masks are still those of the whole sequence."""
+    stage.forward = _stage_forward(stage, layout, layers, first, last, shards)
 
 
 def _stage_forward(
-    stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool
+    stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool, shards: int
 ) -> Callable[..., torch.Tensor]:
     config = stage.config
 
@@ -136,19 +139,21 @@ def _stage_forward(
         h = x if x is not None else input_ids  # token ids (B, T) on the first stage, else hidden states (B, T, hidden)
         assert h is not None, "a pipeline stage got no input"
         given_positions = position_ids  # the masks look for packed sequences in positions the batch gives only
+        length = h.shape[1] * (1 if first else shards)  # T: a later stage may hold a sequence shard (B, T/tp, hidden)
         if position_ids is None:  # as the model's own forward: 0…T-1 on every row, whatever the padding mask
-            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
+            position_ids = torch.arange(length, device=h.device).unsqueeze(0)  # (1, T)
         if first:  # token ids (B, T) → embeddings (B, T, hidden)
             h = _embed(part, layout, h, position_ids)
+        whole = h if h.shape[1] == length else h.new_empty(h.shape[0], length, 0)  # the masks read (B, T) only
         extra: dict[str, Any] = {"position_ids": position_ids}
         if layout.rotary:
-            extra["position_embeddings"] = part(layout.rotary)(h, position_ids)  # (cos, sin), on every stage
+            extra["position_embeddings"] = part(layout.rotary)(whole, position_ids)  # (cos, sin), on every stage
         masks: dict[str, Any] = {}
         decoder = part(layout.layers)
         for index in layers:
             kind = _attention_kind(config, index)
             if kind not in masks:
-                masks[kind] = _causal_mask(config, h, attention_mask, given_positions, kind)
+                masks[kind] = _causal_mask(config, whole, attention_mask, given_positions, kind)
             out = decoder[index](h, attention_mask=masks[kind], **extra)
             h = out[0] if isinstance(out, tuple) else out
         if last:  # (B, T, hidden) → logits (B, T, vocab)

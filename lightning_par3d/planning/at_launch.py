@@ -34,6 +34,53 @@ SHOWN = 5
 """Fitting layouts printed at launch (the whole table is ``lightning_par3d.plan``'s)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchSplit:
+    """How the chosen layout takes the global batch: ``rank_batch`` samples per data-parallel rank, ``accumulate``
+    batches per optimizer step."""
+
+    global_batch: int
+    rank_batch: int
+    accumulate: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout the planner put on top: the configuration to train with, how it takes the global batch, its
+    predicted step and its name in the table."""
+
+    config: Par3DConfig
+    split: BatchSplit
+    predicted_s: float
+    name: str
+
+
+MEASURED_BY_DEFAULT = 3
+"""``measure=None``: how many of the fastest predicted layouts ``layout="auto"`` measures where it can."""
+
+
+def measure_count(config: Par3DConfig) -> int:
+    """How many candidates to measure: ``config.measure``, or :data:`MEASURED_BY_DEFAULT`."""
+    return MEASURED_BY_DEFAULT if config.measure is None else int(config.measure)
+
+
+def global_batch_of(config: Par3DConfig, rank_batch: int, world_size: int, accumulate: int = 1) -> int:
+    """The global batch ``layout="auto"`` keeps: ``config.global_batch``, else the loader's ``rank_batch`` × the
+    data-parallel size the configuration names without ``"auto"`` (``dp``, else the world ÷ the pinned tp × pp) ×
+    ``accumulate`` (the Trainer's ``accumulate_grad_batches``)."""
+    if config.global_batch is not None:
+        return int(config.global_batch)
+    return rank_batch * default_dp(config, world_size) * accumulate
+
+
+def default_dp(config: Par3DConfig, world_size: int) -> int:
+    """The data-parallel size the configuration names without ``layout="auto"``."""
+    if config.dp is not None:
+        return int(config.dp)
+    pinned = fixed_settings(config)
+    return max(world_size // (int(pinned.get("tp", 1)) * int(pinned.get("pp", 1))), 1)
+
+
 def fixed_settings(config: Par3DConfig) -> dict[str, Any]:
     """The sizes and settings the user pinned: those the planner may search that differ from their defaults."""
     from lightning_par3d.planning.candidates import FIXED_KEYS
@@ -48,6 +95,17 @@ def check_before_launch(config: Par3DConfig, world_size: int) -> None:
     from lightning_par3d.planning.candidates import check_fixed
 
     check_fixed(fixed_settings(config), world_size)
+    pinned = fixed_settings(config)
+    dp = config.dp or (
+        int(pinned["dp_replicate"]) * int(pinned["dp_shard"]) if {"dp_replicate", "dp_shard"} <= set(pinned) else None
+    )
+    if config.global_batch is not None and dp is not None and config.global_batch % dp:
+        lower = config.global_batch - config.global_batch % dp
+        nearest = " or ".join(str(b) for b in (lower, lower + dp) if b > 0)
+        raise ValueError(
+            f"global_batch={config.global_batch} does not split over the dp={dp} data-parallel ranks the sizes set "
+            f"here fix, so no layout can keep it. The nearest that do: {nearest}."
+        )
     if config.plan_machine is not None:
         machine_profile(config.plan_machine)
     if config.plan_device_memory is not None:
@@ -122,24 +180,54 @@ def choose_at_launch(
     precision: str,
     device: torch.device,
     measure: Callable[[], Machine],
-) -> Par3DConfig:
-    """The configuration to train with: ``config`` with the layout the planner found fastest (see the module
-    docstring). Every rank calls it; ``module`` (the LightningModule before ``configure_model``, or a factory) is
-    needed on rank 0 only; ``measure()`` measures the job's machine on every rank at once. Raises the planner's
-    ``ValueError`` on every rank where no layout can run."""
+    accumulate: int | None = None,
+    count: int = 1,
+) -> list[Candidate]:
+    """The configurations to train with, fastest predicted first: ``config`` with each of the ``count`` layouts the
+    planner found fastest (see the module docstring; fewer where fewer fit, unless ``config.measure`` asked for
+    more: an error), and how each takes the global batch (:func:`global_batch_of`, from the loader's
+    ``rank_batch``). ``accumulate``: the Trainer's ``accumulate_grad_batches``, which the chosen layout may change
+    (None: a front-end whose loop accumulates as the user writes it; the layout then takes the global batch as one
+    batch per data-parallel rank). Every rank calls it; ``module`` (the LightningModule before
+    ``configure_model``, or a factory) is needed on rank 0 only; ``measure()`` measures the job's machine on every
+    rank at once. Raises the planner's ``ValueError`` on every rank where no layout can run."""
     machine = config.plan_machine if config.plan_machine is not None else measure()
     memory = config.plan_device_memory or device_memory(device, devices_per_node)
+    batch = global_batch_of(config, rank_batch, world_size, accumulate or 1)
     answer: list[Any] = [None]
     if dist.get_rank() == 0:
         answer[0] = _plan_on_rank_zero(
-            config, module, world_size, devices_per_node, memory, rank_batch, seq_len, precision, machine
-        )
+            config, module, world_size, devices_per_node, memory, (batch, accumulate is not None), seq_len, precision,
+            machine, count,
+        )  # fmt: skip
     dist.broadcast_object_list(answer, src=0, device=device if device.type == "cuda" else None)
     outcome, value = answer[0]
     if outcome == "error":
         raise ValueError(value)
-    return dataclasses.replace(config, layout=None, plan_machine=None, plan_device_memory=None, plan_batch=None,
-                               dp=None, **value)  # fmt: skip
+    return [
+        candidate_from(config, arguments, BatchSplit(batch, *split), predicted, name)
+        for arguments, split, predicted, name in value
+    ]
+
+
+def candidate_from(
+    config: Par3DConfig, arguments: dict[str, Any], split: BatchSplit, predicted_s: float, name: str
+) -> Candidate:
+    """``config`` with the layout ``arguments`` (:meth:`PlanRow.strategy_arguments
+    <lightning_par3d.planning.table.PlanRow.strategy_arguments>`) in place of ``layout="auto"``."""
+    cleared: dict[str, Any] = dict(
+        layout=None, plan_machine=None, plan_device_memory=None, plan_batch=None, global_batch=None, dp=None,
+        measure=None,
+    )  # fmt: skip
+    return Candidate(dataclasses.replace(config, **cleared, **arguments), split, predicted_s, name)
+
+
+def layout_arguments(config: Par3DConfig) -> dict[str, Any]:
+    """The settings of ``config`` a plan chooses (sizes, ZeRO stage, schedule, microbatches, virtual stages,
+    checkpointing), as :func:`candidate_from` takes them back."""
+    from lightning_par3d.planning.candidates import FIXED_KEYS
+
+    return {name: getattr(config, name) for name in FIXED_KEYS if name != "dp"}
 
 
 def _plan_on_rank_zero(
@@ -148,29 +236,64 @@ def _plan_on_rank_zero(
     world_size: int,
     devices_per_node: int,
     memory: int | str,
-    rank_batch: int,
+    batch: tuple[int, bool],
     seq_len: int,
     precision: str,
     machine: Machine | str,
+    count: int,
 ) -> tuple[str, Any]:
-    """``("ok", the chosen sizes and settings)`` or ``("error", the message)``, after printing the choice."""
+    """``("ok", [(sizes and settings, (samples per data-parallel rank, accumulated batches), predicted step, name)
+    for each of the ``count`` fastest])`` or ``("error", the message)``, after printing the choice. ``batch``: the
+    global batch, and whether a layout may accumulate it."""
     from lightning_par3d.planning.planner import plan
     from lightning_par3d.utils.fresh_interpreter import call
 
     if module is None:
         return "error", "layout='auto': rank 0 has no copy of the model to plan with (an integration error)."
-    base = dataclasses.replace(config, layout=None, plan_machine=None, plan_device_memory=None, plan_batch=None)
+    base = dataclasses.replace(
+        config, layout=None, plan_machine=None, plan_device_memory=None, plan_batch=None, global_batch=None,
+        measure=None,
+    )  # fmt: skip
     loss_fn = None if callable(getattr(module, "training_step", None)) else surrogate_loss
+    global_batch, accumulate = batch
     try:
         table = call(
-            plan, module, world_size, devices_per_node, memory, rank_batch=rank_batch, seq_len=seq_len,
-            precision=precision, machine=machine, fixed=fixed_settings(config), base=base, loss_fn=loss_fn,
-            what="the layout plan (layout='auto')", timeout_s=max(60.0, config.timeout_s - 30),
+            plan, module, world_size, devices_per_node, memory, global_batch=global_batch, accumulate=accumulate,
+            seq_len=seq_len, precision=precision, machine=machine, fixed=fixed_settings(config), base=base,
+            loss_fn=loss_fn, what="the layout plan (layout='auto')", timeout_s=max(60.0, config.timeout_s - 30),
         )  # fmt: skip
     except (ValueError, TypeError, RuntimeError) as error:
-        return "error", f"layout='auto' found no layout to train with: {error}"
+        return (
+            "error",
+            f"layout='auto' found no layout to train with: {error}{_nearest(config, world_size, global_batch)}",
+        )
+    fitting = table.fitting
+    if config.measure is not None and config.measure > len(fitting):
+        return "error", (
+            f"layout='auto' with measure={config.measure}, but only {len(fitting)} layouts fit: give measure "
+            f"{len(fitting)} or fewer (0: train the predicted fastest without measuring)."
+        )
     print(describe_choice(table), flush=True)
-    return "ok", table.best.strategy_arguments()
+    chosen = []
+    for row in fitting[: max(count, 1)]:
+        assert row.rank_batch is not None and row.time is not None
+        split = (row.rank_batch, row.accumulate)
+        chosen.append((row.strategy_arguments(), split, row.time.total, row.describe()))
+    return "ok", chosen
+
+
+def _nearest(config: Par3DConfig, world_size: int, global_batch: int) -> str:
+    """The global batches nearest ``global_batch`` that the configuration's data-parallel size splits, where it does
+    not split this one."""
+    dp = default_dp(config, world_size)
+    if global_batch % dp == 0:
+        return ""
+    lower = global_batch - global_batch % dp
+    nearest = [b for b in (lower, lower + dp) if b > 0]
+    return (
+        f" The global batch of {global_batch} does not split over the {dp} data-parallel ranks of the sizes set; the "
+        f"nearest that do: {' or '.join(map(str, nearest))} (global_batch=...)."
+    )
 
 
 def describe_choice(table: Any) -> str:
@@ -183,8 +306,16 @@ def describe_choice(table: Any) -> str:
         per_sample = [row.time.total / (row.samples or 1) for row in (best, second)]
         reason += f"; the next, {second.describe()}, is {per_sample[1] / per_sample[0] - 1:+.0%} per sample"
     assert best.time is not None and best.memory is not None
+    split = ""
+    if best.rank_batch is not None and best.layout is not None:
+        split = (
+            f" It takes the global batch of {best.samples} samples as batch_size {best.rank_batch} per data-parallel "
+            f"rank × dp={best.layout.dp}"
+            + (f" × accumulate_grad_batches={best.accumulate}" if best.accumulate > 1 else "")
+            + "."
+        )
     head = (
-        f"par3d layout='auto': chose {best.describe()} on {table.world_size} ranks: {reason}. Predicted step "
+        f"par3d layout='auto': chose {best.describe()} on {table.world_size} ranks: {reason}.{split} Predicted step "
         f"{best.time.total * 1e3:,.1f} ms ({best.samples_per_s:,.1f} samples/s), {format_bytes(best.memory.peak)} "
         f"per rank of {format_bytes(table.device_memory)}."
     )

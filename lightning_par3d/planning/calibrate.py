@@ -160,6 +160,9 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Done, and the figures handed over: leave without the interpreter's teardown, where torch's C++ threads now and
+    # then abort a finished worker ("terminate called without an active exception", seen under load).
+    os._exit(0)
 
 
 def _measure(n: int, device: torch.device, seconds: float, mesh: Any) -> dict[str, Any]:

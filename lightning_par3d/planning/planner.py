@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.distributed.fakeworld import check_no_process_group, keep_excepthook
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
-from lightning_par3d.planning.cost import predict_step
+from lightning_par3d.planning.cost import StepTime, predict_step
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
 from lightning_par3d.planning.memory import MemoryModel
 from lightning_par3d.planning.probe import StageParams, StageWork, probe_layout, stage_params, stage_work
@@ -55,6 +55,7 @@ def plan(
     base: Par3DConfig | None = None,
     optimizer: str = "adamw",
     loss_fn: Callable[..., Tensor] | None = None,
+    accumulate: bool = False,
 ) -> PlanTable:
     """Every candidate layout of ``module`` on ``world_size`` ranks, ranked: those that fit ``device_memory``
     fastest first, then the others, each with its reason.
@@ -70,15 +71,17 @@ def plan(
     ``device_memory`` is bytes or a size such as ``"80GiB"``. ``fixed`` pins sizes or settings (``{"tp": 2}``);
     ``search`` lists what is tried; ``base`` holds the settings that are not searched (``tp_plan``,
     ``split_points``, ``fsdp_blocks``, ``ac_every``, ...). ``optimizer`` names the optimizer's state layout as
-    :func:`~lightning_par3d.estimate_memory` does.
+    :func:`~lightning_par3d.estimate_memory` does. ``accumulate=True`` (with ``global_batch``): a layout may
+    take the global batch as ``accumulate_grad_batches`` batches of ``global_batch / (dp × accumulate)`` samples on
+    each data-parallel rank; each layout gets the fewest accumulated batches whose per-rank batch fits.
 
     Raises ``ValueError`` for input no plan can use (naming the value and the fix), and when no layout fits.
     Run it before launch: it simulates every rank in this process with torch's fake process group.
     """
     check_no_process_group("plan()")
     setup = _Setup.checked(
-        world_size, devices_per_node, device_memory, _Batch.checked(global_batch, rank_batch), seq_len, precision,
-        machine, fixed, search, base, optimizer,
+        world_size, devices_per_node, device_memory, _Batch.checked(global_batch, rank_batch, accumulate), seq_len,
+        precision, machine, fixed, search, base, optimizer,
     )  # fmt: skip
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
@@ -157,16 +160,32 @@ class _Batch:
 
     global_batch: int | None
     rank_batch: int | None
+    accumulate: bool = False
+    """The global batch may be taken as several accumulated batches per step."""
 
     @classmethod
-    def checked(cls, global_batch: Any, rank_batch: Any) -> _Batch:
+    def checked(cls, global_batch: Any, rank_batch: Any, accumulate: bool = False) -> _Batch:
         if (global_batch is None) == (rank_batch is None):
             raise ValueError(
                 f"Cannot plan: give the batch as global_batch (samples per step over every data-parallel rank) or "
                 f"as rank_batch (samples per data-parallel rank, as a Lightning dataloader's batch_size), one of "
                 f"the two; got global_batch={global_batch!r}, rank_batch={rank_batch!r}."
             )
-        return cls(global_batch, rank_batch)
+        if accumulate and global_batch is None:
+            raise ValueError("Cannot plan: accumulate=True takes the global batch (global_batch=...), not rank_batch.")
+        return cls(global_batch, rank_batch, accumulate)
+
+    def splits(self, layout: Layout) -> list[tuple[int, int]]:
+        """The ``(samples per data-parallel rank, accumulated batches)`` this layout may take a step as, fewest
+        accumulated batches first (the first alone without ``accumulate``); pipelined layouts keep per-rank batches
+        their microbatches divide."""
+        first = self.per_rank(layout)
+        if first is None:
+            return []
+        if self.rank_batch is not None or not self.accumulate:
+            return [(first, 1)]
+        options = [(first // a, a) for a in range(1, first + 1) if first % a == 0]
+        return [(b, a) for b, a in options if layout.pp == 1 or b % layout.microbatches == 0]
 
     def problems(self) -> list[str]:
         name, value = (
@@ -374,28 +393,57 @@ def _evaluate(
             reason = str(error)
     if reason is not None:
         return PlanRow(config, layout, reason=reason)
-    rank_batch = setup.batch.per_rank(layout)
-    assert rank_batch is not None  # rejection() refused a global batch that does not split
-    works = probes.work(layout)
-    try:
-        estimate = memory.estimate(config, layout, rank_batch, any(w.block_forward_flops for w in works))
-    except (ValueError, TypeError) as error:
-        return PlanRow(config, layout, reason=_model_message(error))
-    time = predict_step(
-        config, layout, works, probes.params(layout), rank_batch, setup.machine,
-        setup.devices_per_node, setup.precision, setup.optimizer,
-    )  # fmt: skip
-    if estimate.peak > setup.device_memory:
-        worst = max(estimate.rows, key=lambda row: row.total)
-        why = (
-            f"needs {format_bytes(estimate.peak)} on pipeline rank {worst.pp_rank} (state "
-            f"{format_bytes(worst.state.total)}, activations {format_bytes(worst.activations + worst.recompute)}), "
-            f"more than the {format_bytes(setup.device_memory)} of a device"
-        )
-        return PlanRow(config, layout, estimate, time, fits=False, reason=why, samples=rank_batch * layout.dp)
-    if not checkpointing:
+    row = _fitting_split(config, layout, setup, probes, memory)
+    if row.fits and not checkpointing:
         fits_plainly.add(layout)
-    return PlanRow(config, layout, estimate, time, fits=True, samples=rank_batch * layout.dp)
+    return row
+
+
+def _fitting_split(config: Par3DConfig, layout: Layout, setup: _Setup, probes: _Probes, memory: MemoryModel) -> PlanRow:
+    """The layout's row at the first way of taking the batch (fewest accumulated batches) that fits, else at the
+    first."""
+    works = probes.work(layout)
+    first_failure: PlanRow | None = None
+    for rank_batch, accumulated in setup.batch.splits(layout):
+        try:
+            estimate = memory.estimate(config, layout, rank_batch, any(w.block_forward_flops for w in works))
+        except (ValueError, TypeError) as error:
+            return PlanRow(config, layout, reason=_model_message(error))
+        time = accumulated_step(
+            predict_step(
+                config, layout, works, probes.params(layout), rank_batch, setup.machine,
+                setup.devices_per_node, setup.precision, setup.optimizer,
+            ),
+            accumulated,
+        )  # fmt: skip
+        samples = rank_batch * layout.dp * accumulated
+        if estimate.peak <= setup.device_memory:
+            return PlanRow(config, layout, estimate, time, True, None, samples, rank_batch, accumulated)
+        if first_failure is None:
+            worst = max(estimate.rows, key=lambda row: row.total)
+            why = (
+                f"needs {format_bytes(estimate.peak)} on pipeline rank {worst.pp_rank} (state "
+                f"{format_bytes(worst.state.total)}, activations {format_bytes(worst.activations + worst.recompute)}),"
+                f" more than the {format_bytes(setup.device_memory)} of a device"
+            )
+            first_failure = PlanRow(config, layout, estimate, time, False, why, samples, rank_batch, accumulated)
+    assert first_failure is not None  # rejection() refused a global batch that does not split
+    return first_failure
+
+
+def accumulated_step(time: StepTime, batches: int) -> StepTime:
+    """A step of ``batches`` accumulated batches, each predicted as ``time``: every bucket ``batches`` times (the
+    gradient reduction too, which par3d runs on the last batch only: a slight overestimate for accumulating
+    layouts, which then win only where a larger per-rank batch does not fit)."""
+    if batches == 1:
+        return time
+    return dataclasses.replace(
+        time,
+        compute=time.compute * batches,
+        tp_comm=time.tp_comm * batches,
+        dp_comm=time.dp_comm * batches,
+        bubble=time.bubble * batches,
+    )
 
 
 def _nothing_fits(table: PlanTable) -> str:

@@ -50,6 +50,13 @@ STYLE_COLLECTIVES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "all_reduce": (("forward", "all_reduce", "output"),),
     "rowwise_seq": (("forward", "reduce_scatter", "output"), ("backward", "all_gather", "output")),
     "colwise_seq": (("forward", "all_gather", "input"), ("backward", "reduce_scatter", "input")),
+    "colwise_seq_gather_output": (
+        ("forward", "all_gather", "input"),
+        ("forward", "all_gather", "output"),
+        ("backward", "reduce_scatter", "input"),
+    ),
+    "gather_sequence": (("forward", "all_gather", "input"), ("backward", "reduce_scatter", "input")),
+    "sequence_shard": (("backward", "all_gather", "input"),),
     "replicated_with_grad_allreduce": (("step", "all_reduce", "params"),),
     "sequence_parallel": (),
     "local_params": (),
@@ -66,6 +73,8 @@ STYLE_COLLECTIVES: dict[str, tuple[tuple[str, str, str], ...]] = {
 * ``embedding_colwise``: an all-gather of the output in forward;
 * ``rowwise_seq`` / ``colwise_seq``: a reduce-scatter into (an all-gather out of) sequence shards in forward, and the
   opposite in backward;
+* ``gather_sequence``: as ``colwise_seq``'s input side; ``colwise_seq_gather_output``: that, and the output
+  all-gathered as ``colwise_gather_output``'s; ``sequence_shard``: no forward collective, the gradient all-gathered;
 * ``replicated_with_grad_allreduce``: one all-reduce of the module's parameter gradients per step;
 * ``sequence_parallel``, ``local_params``, ``replicate``: none of their own.
 
@@ -190,10 +199,12 @@ def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layo
 def plan_styles(root: nn.Module, config: Par3DConfig) -> dict[str, str]:
     """The tensor-parallel plan over the whole model (full module names → style), without the divisibility check
     (what each style costs does not depend on tp)."""
+    from lightning_par3d.parallel.sequence_parallel import sequence_parallel_plan
     from lightning_par3d.parallel.tensor_parallel import expand_plan, find_plan, plan_tied_weights
 
     plan = find_plan(root, config.tp_plan)
-    return plan_tied_weights(root, expand_plan(root, plan)) if plan else {}
+    styles = plan_tied_weights(root, expand_plan(root, plan)) if plan else {}
+    return sequence_parallel_plan(root, styles) if styles and config.sequence_parallel else styles
 
 
 # ---------------------------------------------------------------- counting work
@@ -334,10 +345,11 @@ def _size_hooks(part: nn.Module, names: dict[str, str], sizes: dict[str, tuple[i
         except AttributeError:
             continue
 
-        def record(_m: nn.Module, args: Any, output: Any, name: str = name) -> None:
-            sizes[name] = (_bytes(args[0] if args else None), _bytes(output))
+        def record(_m: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            first = args[0] if args else kwargs.get("hidden_states")  # transformers attention: hidden_states=
+            sizes[name] = (_bytes(first), _bytes(output))
 
-        hooks.append(sub.register_forward_hook(record))
+        hooks.append(sub.register_forward_hook(record, with_kwargs=True))
     return hooks
 
 

@@ -27,6 +27,10 @@ class PlanRow:
     """Why the layout cannot run here (None for a layout that fits)."""
     samples: int | None = None
     """Samples a step takes at this layout (over every data-parallel rank), where its step was predicted."""
+    rank_batch: int | None = None
+    """Samples per data-parallel rank in each batch, where the step was predicted."""
+    accumulate: int = 1
+    """Batches accumulated into one optimizer step (``accumulate_grad_batches``)."""
 
     @property
     def peak_memory(self) -> int | None:
@@ -58,6 +62,8 @@ class PlanRow:
             parts.append(f"{c.pipeline_schedule}{v} m{c.microbatches}")
         if c.activation_checkpointing != "none":
             parts.append(f"ac={c.activation_checkpointing}")
+        if self.accumulate > 1:
+            parts.append(f"batch {self.rank_batch}×acc{self.accumulate}")
         return " ".join(parts)
 
     def strategy_arguments(self) -> dict[str, Any]:

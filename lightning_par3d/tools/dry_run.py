@@ -169,6 +169,7 @@ def run_rank(
     """Rank ``rank`` of a fake world: build, step and plan the save, as the module docstring says. Call it in a
     process without a process group (``dry_run`` gives it a fresh one)."""
     from lightning_par3d.engine import Par3DEngine
+    from lightning_par3d.engine.trial import module_optimizers
     from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 
     dist.init_process_group("fake", rank=rank, world_size=world_size)
@@ -182,7 +183,7 @@ def run_rank(
         engine.setup(device, "fake")
         batch = _to(batch, device)
         model, step = _build(engine, module, batch, loss_fn)
-        optimizers = engine.setup_optimizers(_optimizers(model, engine.module, optimizer))
+        optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, optimizer))
         meter = SavedTensorMeter()
         state = None
         if device.type == "cuda":
@@ -225,47 +226,17 @@ def _hear_no_objects() -> None:
 def _build(
     engine: Any, module: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn: Callable[..., Tensor] | None
 ) -> tuple[nn.Module, Callable[[Any, int], None]]:
-    """The parallelized model and the function that runs one step's forward and backward on a batch."""
-    from lightning_par3d.parallel.precision import autocast as autocast_for
+    """The parallelized model and the function that runs one step's forward and backward on a batch
+    (:func:`~lightning_par3d.engine.trial.build_step`); under pp, the stages' shapes set from the batch first (the
+    fake process group cannot carry those the stages exchange at a run's first step)."""
+    from lightning_par3d.engine.trial import build_step
     from lightning_par3d.pipeline.runner import STATIC_STAGE_IO
-    from lightning_par3d.pipeline.trunk import install_loss
     from lightning_par3d.utils.torch_private import skip_pipeline_metadata_vote
 
-    if not isinstance(module, nn.Module):
-        if loss_fn is None:
-            raise ValueError("dry_run() of a model factory needs loss_fn(outputs, targets).")
-        with engine.init_context():
-            built = module()
-        model = engine.parallelize(built)
-
-        def plain_step(batch: Any, index: int) -> None:
-            inputs, targets = batch
-            with autocast_for(engine.precision, engine.device.type):
-                engine.train_step(model, inputs, targets, loss_fn)
-
-        return model, plain_step
-    if engine.layout.pp > 1:
+    if isinstance(module, nn.Module) and engine.layout.pp > 1:
         STATIC_STAGE_IO.update(stage_io(module, engine.config, engine.layout, batch))
         skip_pipeline_metadata_vote()
-    configure = getattr(module, "configure_model", None)
-    if callable(configure):
-        with engine.init_context():
-            configure()
-    model = engine.parallelize(module)
-    spec = engine.pipeline_spec
-    if spec is not None:
-        install_loss(module, spec.loss, engine.run_pipeline)
-
-    def lightning_step(batch: Any, index: int) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")  # no Trainer to log to here
-            with autocast_for(engine.precision, engine.device.type):
-                out = model.training_step(batch, index)
-        loss = out["loss"] if isinstance(out, dict) else out
-        if isinstance(loss, Tensor) and loss.requires_grad:  # under pp the schedule ran the backward already
-            loss.backward()
-
-    return model, lightning_step
+    return build_step(engine, module, loss_fn)
 
 
 class _TrunkReached(Exception):
@@ -276,6 +247,7 @@ def stage_io(module: nn.Module, config: Par3DConfig, layout: Layout, batch: Any)
     """Every pipeline stage's example inputs and outputs for one microbatch, as meta tensors: the module is built
     on meta, its ``training_step`` runs on a meta microbatch up to the trunk (whose inputs are captured there), and
     the stages the run's own split makes run one after another from them."""
+    from lightning_par3d.compose import sequence_shards
     from lightning_par3d.pipeline.trunk import declared_pipeline
     from lightning_par3d.planning.probe import build_meta, split
 
@@ -301,12 +273,23 @@ def stage_io(module: nn.Module, config: Par3DConfig, layout: Layout, batch: Any)
         raise RuntimeError("The dry run could not find the pipeline trunk's inputs: training_step never called it.")
     io: dict[int, Any] = {}
     inputs = tuple(a for a in captured[0] if isinstance(a, Tensor))
-    for index, stage in enumerate(split(module, config, layout).stages):
+    stages = split(module, config, layout).stages
+    for index, stage in enumerate(stages):
         output = stage(*inputs)  # with autograd: torch marks what needs gradients from requires_grad
         outputs = output if isinstance(output, tuple) else (output,)
+        if index < len(stages) - 1:  # sequence parallelism: a rank sends its sequence shard of the hidden states
+            outputs = tuple(_sequence_shard(o, sequence_shards(config, layout)) for o in outputs)
         io[index] = (inputs, outputs)
         inputs = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in outputs)
     return io
+
+
+def _sequence_shard(t: Tensor, shards: int) -> Tensor:
+    """One rank's share of hidden states (batch, sequence, hidden) split ``shards`` ways along the sequence."""
+    if shards == 1 or t.dim() < 3:
+        return t
+    shard = torch.empty((t.shape[0], t.shape[1] // shards, *t.shape[2:]), dtype=t.dtype, device=t.device)
+    return shard.requires_grad_(t.requires_grad)
 
 
 def _to_meta(batch: Any, microbatches: int) -> Any:
@@ -319,20 +302,6 @@ def _to_meta(batch: Any, microbatches: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_meta(v, microbatches) for v in batch)
     return batch
-
-
-def _optimizers(model: nn.Module, module: nn.Module, factory: Callable[[Any], Any] | None) -> list[Any]:
-    """The LightningModule's ``configure_optimizers`` (an optimizer, a list, a dict with ``"optimizer"``, or
-    ``(optimizers, schedulers)``), or ``factory(parameters)``, AdamW by default."""
-    configure = getattr(module, "configure_optimizers", None)
-    if factory is None and callable(configure):
-        found = configure()
-        if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], (list, tuple)):
-            found = found[0]
-        items = found if isinstance(found, (list, tuple)) else [found]
-        return [item["optimizer"] if isinstance(item, dict) else item for item in items]
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [factory(params) if factory is not None else torch.optim.AdamW(params)]
 
 
 def _save_plan(engine: Any, optimizers: list[Any]) -> tuple[int, int]:

@@ -1,0 +1,327 @@
+"""``layout="auto"`` with ``measure=k``: the k layouts the planner predicts fastest, each trained for a few steps in
+the job's own processes, and the fastest measured kept.
+
+The planner ranks layouts well but its first choice is not always the fastest (the cost model does not see every
+contention of a machine). NeMo's AutoConfigurator and DeepSpeed's autotuner pick well by running candidates; par3d
+runs only the few its model puts on top, on the job's own ranks, with the user's own model class, optimizer and a
+batch of the user's own data, each candidate at the batch split that keeps the global batch
+(:class:`~lightning_par3d.planning.at_launch.BatchSplit`).
+
+Measuring leaves no trace on the run: each candidate trains a fresh copy of the model (the module before
+``configure_model``, built at the candidate's layout with ``init="meta"``: every rank initializes its own shards, so
+nothing moves from rank 0), with its own optimizer; the batch is read from a fresh iterator of the training
+dataloader; every random generator (torch's CPU and accelerator ones, Python's, NumPy's) is put back as it was. The
+run itself then starts from what it would have had without measuring: its weights, optimizer, random state,
+dataloader position and Lightning's counters. The candidates' process groups stay (the chosen one's serve the run,
+as a mesh of the same shape is shared); the others are a few idle groups until the end of the job.
+
+A step's time is the slowest rank's: ``accumulate`` forward and backward passes and one optimizer step, the first
+``warmup`` steps dropped, the median of the rest. A candidate that fails to run (a model whose ``training_step``
+needs a Trainer, say) fails on every rank alike; measuring then stops, rank 0 says why, and the run takes the
+planner's first choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_par3d.config import Par3DConfig
+from lightning_par3d.engine.trial import build_step, module_optimizers
+from lightning_par3d.planning.at_launch import (
+    BatchSplit,
+    Candidate,
+    candidate_from,
+    choose_at_launch,
+    fixed_settings,
+    global_batch_of,
+    layout_arguments,
+    measure_count,
+)
+
+STEPS = 3
+"""Measured steps per candidate (after ``WARMUP``)."""
+WARMUP = 1
+"""Steps per candidate left out of its time (the first step allocates, and under pp infers the stages' shapes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasureWith:
+    """What measuring needs on every rank: the model before ``configure_model`` (a meta copy: a LightningModule,
+    or a plain module with ``loss_fn(outputs, *targets)``), one batch of the training dataloader as it gives it
+    (``batch_size`` samples of the loader, resized to each candidate's per-rank batch), and the file where measured
+    choices are kept (None: not kept)."""
+
+    module: nn.Module
+    batch: Any
+    loss_fn: Callable[..., Tensor] | None = None
+    cache: Path | None = None
+
+
+def choose(
+    config: Par3DConfig,
+    module: nn.Module | None,
+    sample: MeasureWith | None,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    rank_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+    calibrate: Callable[[], Any],
+    accumulate: int | None,
+) -> Candidate:
+    """The layout to train with (every rank): the choice measured before for the same job (model class, world,
+    global batch, sequence, precision, devices, pinned settings) where ``sample.cache`` keeps one; else the
+    planner's ``measure`` fastest (:func:`~lightning_par3d.planning.at_launch.choose_at_launch`), measured here
+    where ``sample`` is given (and the choice kept), else its fastest."""
+    if sample is None and config.measure:
+        raise ValueError(
+            f"layout='auto' with measure={config.measure}, but there is no batch to measure with here (Fabric sets "
+            "the model up before any dataloader). Set measure=0 (or leave it unset), or measure the layouts yourself "
+            "and pin the fastest."
+        )
+    count = measure_count(config) if sample is not None else 1
+    global_batch = global_batch_of(config, rank_batch, world_size, accumulate or 1)
+    key = _job_key(config, sample, world_size, global_batch, seq_len, precision, device) if sample else ""
+    kept = _rank0_reads(sample.cache, key) if sample is not None and sample.cache is not None and count > 1 else None
+    if kept is not None and sample is not None:
+        if dist.get_rank() == 0:
+            print(
+                f"par3d layout='auto': {kept['name']}, measured fastest for this job before (kept in "
+                f"{sample.cache}, {kept['when']}): not measuring again. Delete that entry to measure anew.",
+                flush=True,
+            )  # fmt: skip
+        return candidate_from(config, kept["arguments"], BatchSplit(global_batch, *kept["split"]), 0.0, kept["name"])
+    candidates = choose_at_launch(
+        config, module, world_size=world_size, devices_per_node=devices_per_node, rank_batch=rank_batch,
+        seq_len=seq_len, precision=precision, device=device, measure=calibrate, accumulate=accumulate, count=count,
+    )  # fmt: skip
+    if sample is None or len(candidates) == 1:
+        return candidates[0]
+    best, times = pick_measured(candidates, sample, precision, device)
+    if times is not None and sample.cache is not None and dist.get_rank() == 0:
+        _keep(sample.cache, key, candidates, times, best)
+    return candidates[best]
+
+
+def _job_key(
+    config: Par3DConfig,
+    sample: MeasureWith,
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    precision: str,
+    device: torch.device,
+) -> str:
+    """What makes a measured choice this job's: the model's class, the world, the batch, the precision, the
+    devices (a GPU's name; a CPU's core count) and the settings the user pinned."""
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu×{os.cpu_count()}"
+    model = f"{type(sample.module).__module__}.{type(sample.module).__qualname__}"
+    pinned = sorted((k, repr(v)) for k, v in fixed_settings(config).items())
+    return f"{model} world={world_size} batch={global_batch}x{seq_len} {precision} {kind} pinned={pinned}"
+
+
+def _rank0_reads(path: Path, key: str) -> dict[str, Any] | None:
+    """Rank 0's kept choice for ``key`` (None: none), on every rank."""
+    found: list[Any] = [None]
+    if dist.get_rank() == 0 and path.is_file():
+        try:
+            found[0] = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            found[0] = None  # unreadable: measure again, and write it anew
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _keep(path: Path, key: str, candidates: list[Candidate], times: list[float], best: int) -> None:
+    """Rank 0 adds this job's measured choice to ``path`` (written whole, then renamed into place)."""
+    try:
+        kept = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        kept = {}
+    kept[key] = {
+        "name": candidates[best].name,
+        "arguments": layout_arguments(candidates[best].config),
+        "split": [candidates[best].split.rank_batch, candidates[best].split.accumulate],
+        "measured": [[c.name, c.predicted_s, t] for c, t in zip(candidates, times, strict=True)],
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(kept, indent=1))
+    partial.replace(path)
+
+
+def pick_measured(
+    candidates: list[Candidate], sample: MeasureWith, precision: str, device: torch.device
+) -> tuple[int, list[float] | None]:
+    """Measures ``candidates`` (every rank at once) and returns the index of the fastest and every candidate's
+    time; rank 0 prints the predicted and measured step of each and what measuring cost. Falls back to 0 (the
+    planner's first, and no times) where measuring fails."""
+    states = _rng_states()
+    started = time.perf_counter()
+    times: list[float] = []
+    try:
+        for candidate in candidates:
+            times.append(measure_step(candidate, sample, precision, device))
+    except Exception as error:  # the run goes on with the prediction; rank 0 says why
+        if dist.get_rank() == 0:
+            print(
+                f"par3d layout='auto': measuring {candidates[len(times)].name} failed ({type(error).__name__}: "
+                f"{error}); training the planner's first choice, {candidates[0].name}.",
+                flush=True,
+            )
+        return 0, None
+    finally:
+        _restore_rng(states)
+    best = min(range(len(times)), key=times.__getitem__)
+    if dist.get_rank() == 0:
+        print(describe_measured(candidates, times, best, time.perf_counter() - started), flush=True)
+    return best, times
+
+
+def describe_measured(candidates: list[Candidate], times: list[float], best: int, cost_s: float) -> str:
+    """What rank 0 prints: each candidate's predicted and measured step, the choice, and the time it took."""
+    rows = [
+        f"| {i + 1} | {c.name} | {c.predicted_s * 1e3:,.1f} | {t * 1e3:,.1f} |{' chosen' if i == best else ''}"
+        for i, (c, t) in enumerate(zip(candidates, times, strict=True))
+    ]
+    note = "" if best == 0 else f" (the planner's #{best + 1}; its first measured {times[0] / times[best]:.2f}×)"
+    return (
+        f"par3d layout='auto': measured the {len(candidates)} layouts predicted fastest, {STEPS} steps each after "
+        f"{WARMUP} (measuring took {cost_s:.1f} s); training {candidates[best].name}{note}.\n"
+        "| # | layout | predicted ms/step | measured ms/step | |\n|---:|---|---:|---:|---|\n" + "\n".join(rows)
+    )
+
+
+def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device) -> float:
+    """The median step of ``candidate`` (the slowest rank's), on a fresh copy of the model."""
+    from lightning_par3d.engine import Par3DEngine
+
+    config = dataclasses.replace(candidate.config, init="meta", async_save=False, elastic=False)
+    engine = Par3DEngine(config, precision)
+    engine.resolve(dist.get_world_size(), device.type)
+    engine.setup(device)
+    module = copy.deepcopy(sample.module)
+    model, step = build_step(engine, module, sample.loss_fn)
+    optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, None))
+    batch = _to(_resized(sample.batch, candidate.split.rank_batch), device)
+    kept = []
+    try:
+        for index in range(WARMUP + STEPS):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(candidate.split.accumulate):
+                step(batch, index)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= WARMUP:
+                kept.append(time.perf_counter() - started)
+    finally:
+        engine.teardown()
+    slowest = torch.tensor([statistics.median(kept)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+CACHE_NAME = "par3d_auto_layout.json"
+"""The file, in the run's directory, where measured choices are kept."""
+
+
+def measure_with(
+    config: Any,
+    module: nn.Module,
+    loader: Any,
+    loss_fn: Callable[..., Tensor] | None = None,
+    directory: str | Path | None = None,
+) -> MeasureWith | None:
+    """What to measure with at launch (every rank): the module before ``configure_model`` (a meta copy), the first
+    batch of the training ``loader``, and :data:`CACHE_NAME` in ``directory`` (None: nothing kept); None where
+    ``measure=0`` or there is no loader."""
+    if config.measure == 0 or loader is None:
+        return None
+    cache = Path(directory) / CACHE_NAME if directory is not None else None
+    return MeasureWith(copy.deepcopy(module), first_batch(loader), loss_fn, cache)
+
+
+def first_batch(loader: Any) -> Any:
+    """A batch of ``loader``'s data that reading leaves no trace of: its dataset's first ``batch_size`` samples
+    through its own ``collate_fn`` (no sampler, so no shuffling generator moves, no worker starts); for an iterable
+    dataset, the first batch of a fresh iterator, with the global random generators put back as they were."""
+    dataset, size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    collate = getattr(loader, "collate_fn", None)
+    if dataset is not None and hasattr(dataset, "__getitem__") and isinstance(size, int) and callable(collate):
+        try:
+            return collate([dataset[i] for i in range(min(size, len(dataset)))])
+        except (TypeError, NotImplementedError):
+            pass  # no len() or no indexing: read it as an iterable
+    states = _rng_states()
+    try:
+        return next(iter(loader))
+    finally:
+        _restore_rng(states)
+
+
+def _resized(batch: Any, size: int) -> Any:
+    """``batch`` with every tensor's first dimension made ``size`` (rows repeated or cut), in the same structure."""
+    if isinstance(batch, Tensor):
+        if batch.dim() == 0 or batch.shape[0] == size:
+            return batch
+        repeats = -(-size // batch.shape[0])
+        return batch.repeat(repeats, *([1] * (batch.dim() - 1)))[:size]
+    if isinstance(batch, dict):
+        return type(batch)({k: _resized(v, size) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_resized(v, size) for v in batch)
+    return batch
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: _to(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        states["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return states
+
+
+def _restore_rng(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy as np
+
+        np.random.set_state(states["numpy"])

@@ -1,0 +1,107 @@
+"""The two tensor-parallel styles at the edges of a sequence-parallel region that torch has no single style for.
+
+Megatron's sequence parallelism keeps the residual stream of a transformer split along the sequence over the
+tensor-parallel ranks: norms, dropouts and residual additions run on ``T / tp`` tokens, and the regions that split
+the weights (attention, MLP) gather the sequence on entry and reduce-scatter it on exit (``rowwise_seq``). torch's
+``PrepareModuleInput`` does the gathering, but only for an argument named in advance, positionally or by keyword,
+and a transformers attention module takes ``hidden_states=`` by keyword where the example GPT's takes it
+positionally. These styles act on the module's first tensor argument, or ``hidden_states=``:
+
+* :class:`SequenceShard` (``sequence_shard``): the input is whole on every rank; the module gets this rank's
+  sequence shard (no communication; backward all-gathers the gradient). On the first block of the model.
+* :class:`GatherSequence` (``gather_sequence``): the input is this rank's sequence shard (a local tensor, or a
+  ``Shard(1)`` DTensor from a ``sequence_parallel`` norm); the module gets the whole sequence as a local tensor
+  (one all-gather; backward reduce-scatters). On the parent of column-wise projections (attention, MLP), so that
+  ``q``, ``k`` and ``v`` share one gather.
+
+Both redistribute through DTensor (torch's collectives). Neither touches the module's parameters: the module's own
+plan entries (and FSDP2) keep theirs. The sequence length must divide by tp: a shard of uneven length would need
+each rank to know the others' lengths, and the error says so at the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+SEQUENCE_DIM = 1
+"""Activations are (batch, sequence, hidden): the sequence is dim 1 (torch's ``SequenceParallel`` default)."""
+
+
+def _input_slot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any] | None:
+    """Where the residual stream enters: the first positional tensor, else ``hidden_states=``."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            return f"arg{i}", arg
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states", kwargs["hidden_states"]
+    return None
+
+
+def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], slot: str, value: torch.Tensor) -> Any:
+    if slot == "hidden_states":
+        return args, {**kwargs, "hidden_states": value}
+    i = int(slot[3:])
+    return (*args[:i], value, *args[i + 1 :]), kwargs
+
+
+def _check_divisible(module: nn.Module, length: int, mesh: DeviceMesh, style: str) -> None:
+    if length % mesh.size() != 0:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over tp={mesh.size()} ranks, but {type(module).__name__} "
+            f"({style}) got a sequence of {length} tokens, which does not divide. Pad or crop the sequences to a "
+            f"multiple of {mesh.size()}, or set sequence_parallel=False."
+        )
+
+
+class _SequenceEdge(ParallelStyle):
+    """A forward pre-hook that moves the module's residual-stream input between whole and sequence-sharded."""
+
+    name = ""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            slot = _input_slot(args, kwargs)
+            if slot is None:
+                raise TypeError(
+                    f"{type(mod).__name__} ({self.name}) got no tensor input to split or gather: it takes the "
+                    "residual stream as its first tensor argument or as hidden_states=."
+                )
+            return _replace(args, kwargs, slot[0], self.convert(mod, slot[1], device_mesh))
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def convert(self, module: nn.Module, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SequenceShard(_SequenceEdge):
+    """Whole input → this rank's sequence shard (see the module docstring)."""
+
+    name = "sequence_shard"
+
+    def convert(self, module: nn.Module, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if isinstance(x, DTensor):
+            return x.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        _check_divisible(module, x.shape[SEQUENCE_DIM], mesh, self.name)
+        whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
+
+class GatherSequence(_SequenceEdge):
+    """This rank's sequence shard → the whole sequence, local (see the module docstring)."""
+
+    name = "gather_sequence"
+
+    def convert(self, module: nn.Module, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shard = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        return shard.redistribute(mesh, [Replicate()]).to_local()
