@@ -53,6 +53,7 @@ class CausalLMModule(L.LightningModule):
         num_key_value_heads: int = 2,
         tie_word_embeddings: bool = False,
         config_overrides: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -97,6 +98,10 @@ class CausalLMModule(L.LightningModule):
             self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained_path).train()
         else:  # par3d with init="pretrained" reads each rank's shards of the weights into the built model
             self.model = AutoModelForCausalLM.from_config(self.model_config())
+        if self.hparams.lora:  # fine-tuning with LoRA adapters: the base frozen, the adapters trained
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**self.hparams.lora))
 
     def _trainer_strategy(self) -> Any:
         return self._trainer.strategy if self._trainer is not None else None
@@ -133,6 +138,5 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        return torch.optim.AdamW(
-            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps
-        )
+        trained = [p for p in self.parameters() if p.requires_grad]  # with LoRA: the adapters only
+        return torch.optim.AdamW(trained, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps)

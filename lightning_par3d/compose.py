@@ -32,6 +32,7 @@ from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_par3d.parallel.adapters import adapter_plan
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
@@ -301,8 +302,11 @@ def checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, s
             "model a `tp_plan` attribute (module-name pattern → style), or set the config's tp_plan."
         )
     fqn_styles = plan_tied_weights(module, expand_plan(module, plan))
+    if config.sequence_parallel:
+        fqn_styles = sequence_parallel_plan(module, fqn_styles)
+    fqn_styles = adapter_plan(module, fqn_styles)  # LoRA layers: the base layer split, the adapters to match
     check_divisibility(module, fqn_styles, tp)
-    return sequence_parallel_plan(module, fqn_styles) if config.sequence_parallel else fqn_styles
+    return fqn_styles
 
 
 def _describe_ac(config: Par3DConfig, blocks: int) -> str:

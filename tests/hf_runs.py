@@ -49,15 +49,23 @@ def module(model: dict[str, Any] | None = None) -> CausalLMModule:
 
 
 def run_reference(
-    model: dict[str, Any] | None = None, max_steps: int = 5, data: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None, max_steps: int = 5, data: dict[str, Any] | None = None, **trainer: Any
 ) -> dict[str, Any]:
-    """One process, Lightning's default strategy."""
+    """One process, Lightning's default strategy (``trainer``: more Trainer arguments)."""
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
-    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps))
+    trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **trainer))
     lm = module(model)
     trainer.fit(lm, ReferenceData(batch_size=GLOBAL_BATCH, **{**DATA, **(data or {})}))
     return {"losses": recorder.losses, "params": full_state(lm)}
+
+
+def initial_state(model: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The weights the runs start from: the module built on one process with the runs' seed, untrained."""
+    L.seed_everything(SEED, verbose=False)
+    lm = module(model)
+    lm.configure_model()
+    return {k: v.detach().clone() for k, v in lm.state_dict().items()}
 
 
 class _BuildRecorder(CausalLMModule):
@@ -93,6 +101,7 @@ def run_par3d(
     data: dict[str, Any] | None = None,
     own_plan: bool = False,
     extra_callbacks: list[L.Callback] | None = None,
+    **trainer_overrides: Any,
 ) -> dict[str, Any]:
     """One par3d run inside a pool worker. ``own_plan``: the module's ``tp_plan`` hook returns the transformers
     model's own plan (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
@@ -111,7 +120,7 @@ def run_par3d(
     recorder = LossRecorder()
     callbacks: list[L.Callback] = [recorder] + ([SavePretrained(export_to)] if export_to else [])
     callbacks += extra_callbacks or []
-    kwargs = trainer_kwargs(max_steps=max_steps)
+    kwargs = trainer_kwargs(max_steps=max_steps, **trainer_overrides)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **kwargs)
     lm = (_OwnPlanRecorder if own_plan else _BuildRecorder)(**{**TINY, **(model or {})})
     dp = par3d.layout.dp

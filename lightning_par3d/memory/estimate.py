@@ -231,6 +231,20 @@ class _StageMeasure:
     output: Any = None
 
 
+PEFT_NOT_ESTIMATED = (
+    "The memory estimator (and so the planner and layout='auto') cannot build a peft adapter model yet: peft moves "
+    "each adapter onto its base layer's device, which torch's fake tensors refuse. Estimate or plan the model "
+    "without adapters (its frozen base then counts gradients and optimizer state it will not have), and pin the "
+    "layout."
+)
+
+
+def _raised_in_peft(error: BaseException) -> bool:
+    import traceback
+
+    return any("/peft/" in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__))
+
+
 def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
     """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
     ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype."""
@@ -244,7 +258,12 @@ def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Mo
                     built = copy.deepcopy(module)
                 configure = getattr(built, "configure_model", None)
                 if callable(configure):
-                    configure()
+                    try:
+                        configure()
+                    except RuntimeError as error:
+                        if _raised_in_peft(error):
+                            raise ValueError(PEFT_NOT_ESTIMATED) from error
+                        raise
                 return built
             return module()
     finally:

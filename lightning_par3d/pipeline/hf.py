@@ -93,7 +93,14 @@ def decoder_layout(model: nn.Module) -> DecoderLayout | None:
 
 
 def check_pipelinable(model: nn.Module) -> None:
-    """Refuses what the stage split cannot serve: input and output embeddings tied into one parameter."""
+    """Refuses what the stage split cannot serve: input and output embeddings tied into one parameter, and a
+    ``peft`` model (its adapters would travel with their blocks, but its wrapper's names do not split yet)."""
+    if hasattr(model, "peft_config") and hasattr(model, "base_model"):
+        raise ValueError(
+            f"{type(model).__name__} is a peft model: par3d does not pipeline adapter models yet (pp > 1). Train "
+            "its LoRA adapters with data and tensor parallelism (dp_shard, dp_replicate, tp), or pipeline the "
+            "model without adapters."
+        )
     layout = decoder_layout(model)
     if layout is None:
         return
