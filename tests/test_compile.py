@@ -85,14 +85,23 @@ def test_3d_with_sequence_parallelism_traces_on_the_single_process_trajectory(po
         assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
 
 
-def test_a_transformers_llama_compiles_per_layer(pool4):
-    """An unmodified transformers Llama with its own plan at dp_shard=2 × tp=2: each decoder layer compiled in place
-    (its attention through transformers' own SDPA path), one process's losses and parameters."""
+@pytest.mark.parametrize(
+    ("strategy", "pool"),
+    [
+        pytest.param(dict(dp_shard=2, tp=2), 4, id="dp2xtp2"),
+        pytest.param(dict(pp=2, dp_shard=2, tp=2), 8, id="3d"),
+    ],
+    indirect=["pool"],
+)
+def test_a_transformers_llama_compiles_per_layer(strategy, pool):
+    """An unmodified transformers Llama with its own plan at dp_shard=2 × tp=2 and in 3D: each decoder layer
+    compiled in place (its attention through transformers' own SDPA path; under pp, each stage's layers), one
+    process's losses and parameters, no recompilation."""
     from tests.compile_runs import run_compiled
     from tests.hf_runs import run_reference as llama_reference
 
-    strategy = dict(dp_shard=2, tp=2, tp_plan="auto", **TRACED)
-    ranks = pool4.run(run_compiled, strategy=strategy, devices=4, transformers=True, max_steps=4)
+    strategy = dict(strategy, tp_plan="auto", **TRACED)
+    ranks = pool.run(run_compiled, strategy=strategy, devices=pool.world_size, transformers=True, max_steps=4)
     assert_parity(ranks[0], llama_reference({}, max_steps=4))
     for rank in ranks:
         assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][1], rank["graphs"]
