@@ -126,12 +126,19 @@ def select(rows: list[Any], how: str, limit: int | None) -> list[Any]:
     return rows[:limit] if limit else rows
 
 
+MEASURED = 3
+"""``layout="auto"``'s default ``measure``: the fastest measured of this many best predictions is its choice."""
+
+
 def compare(predicted: list[float], measured: list[float]) -> dict[str, float]:
-    """First choice vs the best measured, rank correlation, median relative error."""
+    """First choice vs the best measured (without measuring, and with ``layout="auto"``'s measuring: the fastest
+    measured of the :data:`MEASURED` best predictions), rank correlation, median relative error. ``measured`` in
+    the order of the prediction."""
     best = min(measured)
     errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
     return {
         "first_choice_vs_best": measured[0] / best,
+        "measured_choice_vs_best": min(measured[:MEASURED]) / best,
         "spearman": spearman(predicted, measured),
         "median_relative_error": statistics.median(errors),
     }
@@ -177,7 +184,8 @@ def measure_case(model: str, world: int, args: argparse.Namespace) -> dict[str, 
     result = compare([row.time.total for row in rows], medians)
     print(
         f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
-        f"(×{result['first_choice_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
+        f"(×{result['first_choice_vs_best']:.2f}; measuring the best {MEASURED}: "
+        f"×{result['measured_choice_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
         f"{result['median_relative_error']:.0%}",
         flush=True,
     )
@@ -201,14 +209,14 @@ def main() -> None:
     machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
     print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {args.steps - args.warmup} kept steps "
           f"× {args.rounds} rounds per layout\n")  # fmt: skip
-    print("| model | ranks | layouts measured | first choice | first vs best measured | within 10 % | Spearman | "
-          "median error |")  # fmt: skip
-    print("|---|---:|---:|---|---:|---|---:|---:|")
+    print(f"| model | ranks | layouts measured | first choice | first vs best (measure=0) | with measure={MEASURED} "
+          "| within 10 % | Spearman | median error |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---|---:|---:|")
     for (model, world), r in results.items():
-        within = "yes" if r["first_choice_vs_best"] <= 1.10 else "no"
-        ratio = r["first_choice_vs_best"]
-        print(f"| {model} | {world} | {r['layouts']} of {r['fitting']} | {r['first']} | ×{ratio:.2f} | {within} "
-              f"| {r['spearman']:.2f} | {r['median_relative_error']:.0%} |")  # fmt: skip
+        within = "yes" if r["measured_choice_vs_best"] <= 1.10 else "no"
+        ratio, measured = r["first_choice_vs_best"], r["measured_choice_vs_best"]
+        print(f"| {model} | {world} | {r['layouts']} of {r['fitting']} | {r['first']} | ×{ratio:.2f} | ×{measured:.2f} "
+              f"| {within} | {r['spearman']:.2f} | {r['median_relative_error']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -354,6 +354,7 @@ def test_benchmark_statistics():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     got = compare([1.0, 2.0, 3.0], [1.2, 1.0, 3.0])
     assert got["first_choice_vs_best"] == pytest.approx(1.2)
+    assert got["measured_choice_vs_best"] == pytest.approx(1.0)  # the second prediction, measured among the best 3
     assert got["median_relative_error"] == pytest.approx(0.2 / 1.2)
 
 
