@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.engine.trial import build_step, module_optimizers
+from lightning_par3d.engine.trial import build_step, module_optimizers, to_device
 from lightning_par3d.planning.at_launch import (
     BatchSplit,
     Candidate,
@@ -219,7 +219,7 @@ def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, devi
     module = copy.deepcopy(sample.module)
     model, step = build_step(engine, module, sample.loss_fn)
     optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, None))
-    batch = _to(_resized(sample.batch, candidate.split.rank_batch), device)
+    batch = to_device(_resized(sample.batch, candidate.split.rank_batch), device)
     kept = []
     try:
         for index in range(WARMUP + STEPS):
@@ -290,16 +290,6 @@ def _resized(batch: Any, size: int) -> Any:
         return type(batch)({k: _resized(v, size) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
         return type(batch)(_resized(v, size) for v in batch)
-    return batch
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return type(batch)({k: _to(v, device) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(v, device) for v in batch)
     return batch
 
 

@@ -92,3 +92,14 @@ def module_optimizers(model: nn.Module, module: nn.Module, factory: Callable[[An
         return [item["optimizer"] if isinstance(item, dict) else item for item in items]
     params = [p for p in model.parameters() if p.requires_grad]
     return [factory(params) if factory is not None else torch.optim.AdamW(params)]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or a dict, list or tuple of them, nested) with every tensor on ``device``."""
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

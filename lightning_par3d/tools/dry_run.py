@@ -169,7 +169,7 @@ def run_rank(
     """Rank ``rank`` of a fake world: build, step and plan the save, as the module docstring says. Call it in a
     process without a process group (``dry_run`` gives it a fresh one)."""
     from lightning_par3d.engine import Par3DEngine
-    from lightning_par3d.engine.trial import module_optimizers
+    from lightning_par3d.engine.trial import module_optimizers, to_device
     from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 
     dist.init_process_group("fake", rank=rank, world_size=world_size)
@@ -181,7 +181,7 @@ def run_rank(
         engine.resolve(world_size, device_type)
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         engine.setup(device, "fake")
-        batch = _to(batch, device)
+        batch = to_device(batch, device)
         model, step = _build(engine, module, batch, loss_fn)
         optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, optimizer))
         meter = SavedTensorMeter()
@@ -325,13 +325,3 @@ def _save_plan(engine: Any, optimizers: list[Any]) -> tuple[int, int]:
             numel *= int(size)
         nbytes += numel * item.tensor_data.properties.dtype.itemsize
     return len(plan.items), nbytes
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(v, device) for v in batch)
-    return batch
