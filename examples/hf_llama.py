@@ -10,12 +10,16 @@ weights into each rank's shards). Three attributes are all par3d needs:
   first, decoder layers balanced, final norm and LM head last), keeping every parameter's name;
 * ``pipeline_loss = "loss_fn"``: the loss the last stage applies to the logits.
 
+``lora=`` (a ``peft.LoraConfig``'s fields) fine-tunes LoRA adapters on the frozen model; ``adapter_path=`` starts
+them from adapters ``PeftModel.save_pretrained`` (or par3d's ``SavePretrained``) wrote.
+
 It reads the same byte-level data as the example GPT (token ids 0–255, valid ids of any vocabulary of at least
 256 tokens); bring a tokenized DataModule to fine-tune a real checkpoint on real text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -30,6 +34,15 @@ def logits_of(output: Any) -> Any:
     """The logits of a transformers model's output (a ``ModelOutput``); anything else as it is (a pipeline stage's
     output, which par3d hands to the loss)."""
     return getattr(output, "logits", output)
+
+
+def _plain(value: Any) -> Any:
+    """Hydra's configs (``DictConfig``, ``ListConfig``) as the plain dicts and lists peft's configs write as JSON."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(item) for item in value]
+    return value
 
 
 class CausalLMModule(L.LightningModule):
@@ -54,6 +67,7 @@ class CausalLMModule(L.LightningModule):
         tie_word_embeddings: bool = False,
         config_overrides: dict[str, Any] | None = None,
         lora: dict[str, Any] | None = None,
+        adapter_path: str | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -98,10 +112,28 @@ class CausalLMModule(L.LightningModule):
             self.model = AutoModelForCausalLM.from_pretrained(self.hparams.pretrained_path).train()
         else:  # par3d with init="pretrained" reads each rank's shards of the weights into the built model
             self.model = AutoModelForCausalLM.from_config(self.model_config())
-        if self.hparams.lora:  # fine-tuning with LoRA adapters: the base frozen, the adapters trained
-            from peft import LoraConfig, get_peft_model
+        if self.hparams.lora or self.hparams.adapter_path:  # LoRA adapters: the base frozen, the adapters trained
+            self.model = self._adapted(self.model)
 
-            self.model = get_peft_model(self.model, LoraConfig(**self.hparams.lora))
+    def _adapted(self, base: nn.Module) -> nn.Module:
+        """``base`` with LoRA adapters: fresh ones of ``lora``'s config, or those saved in ``adapter_path`` (peft's
+        ``save_pretrained``), which par3d's ``init="pretrained"`` reads into each rank's slices itself."""
+        import warnings
+
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        path = self.hparams.adapter_path
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing to act on
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
+            )
+            if not path:
+                return get_peft_model(base, LoraConfig(**_plain(self.hparams.lora)))
+            if getattr(self._trainer_strategy(), "loads_pretrained", False):
+                config = LoraConfig.from_pretrained(path)
+                config.inference_mode = False  # saved for inference; trained on here
+                return get_peft_model(base, config)
+            return PeftModel.from_pretrained(base, path, is_trainable=True)
 
     def _trainer_strategy(self) -> Any:
         return self._trainer.strategy if self._trainer is not None else None

@@ -44,9 +44,12 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
 
 def pretrained_init(cfg: DictConfig) -> dict[str, Any]:
     """With ``model.pretrained_path`` (``model=hf_llama``), par3d reads the checkpoint's weights into each rank's
-    shards: ``strategy.init=pretrained`` from that directory."""
+    shards: ``strategy.init=pretrained`` from that directory, and the saved LoRA adapters of
+    ``model.adapter_path`` (``model=hf_llama_lora``) with them."""
     path = cfg.model.get("pretrained_path")
-    return {"init": "pretrained", "pretrained_path": path} if path else {}
+    if not path:
+        return {}
+    return {"init": "pretrained", "pretrained_path": path, "adapter_path": cfg.model.get("adapter_path")}
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

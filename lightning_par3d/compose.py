@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par3d.checkpoint.adapters import adapters_of, init_fresh_adapters
 from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
@@ -122,8 +123,10 @@ def parallelize(
         n_blocks = sum(len(stage_plan.blocks[i]) for i in layout.stage_indices(mesh.coords(dist.get_rank()).pp))
     source = "rank0" if from_rank0 else ("none" if config.init == "pretrained" else "reset")
     _materialize(module, device, state, source, config.offload, strict=spec is None)
+    if source == "reset":  # LoRA adapters as peft starts them (lora_B zero), not as nn.Linear's reset
+        init_fresh_adapters(module)
     if config.init == "pretrained":
-        load_pretrained(module, pretrained_path(module, config.pretrained_path))
+        load_pretrained(module, pretrained_path(module, config.pretrained_path), config.adapter_path)
     reattach_metrics(metrics, device, metric_shots, precision)
     if layout.data_parallel != "fsdp":
         keep_grads_in_param_layout(module)
@@ -131,7 +134,7 @@ def parallelize(
     report = ParallelizeReport(
         data_parallel=_describe_data_parallel(mesh, n_blocks, config, precision),
         tp_modules=len(fqn_styles),
-        initialized_from=_source(source, config.pretrained_path),
+        initialized_from=_source(source, config.pretrained_path, config.adapter_path if adapters_of(module) else ""),
         pipeline=_describe_pipeline(mesh, config) if spec is not None else "none",
         activation_checkpointing=_describe_ac(config, checkpointed),
         compiled=_describe_compile(module, config, cache_off),
@@ -333,9 +336,14 @@ def _describe_pipeline(mesh: Par3DMesh, config: Par3DConfig) -> str:
     return f"{layout.schedule}, stages {indices} of {layout.n_stages}, {layout.microbatches} microbatches"
 
 
-def _source(source: str, path: str | None) -> str:
+def _source(source: str, path: str | None, adapters: str | None = "") -> str:
+    """Where the weights came from; ``adapters``: a peft model's saved adapters' directory, None for fresh ones,
+    ``""`` without adapters."""
     if source == "none":
-        return f"the pretrained checkpoint {path or '(from the model config)'}, each rank reading its slices"
+        text = f"the pretrained checkpoint {path or '(from the model config)'}, each rank reading its slices"
+        if adapters is None:
+            return text + "; fresh LoRA adapters (lora_B zero)"
+        return text + (f"; the adapters from {adapters}" if adapters else "")
     return "rank 0 (broadcast)" if source == "rank0" else "reset_parameters() on each rank"
 
 

@@ -177,19 +177,36 @@ def save_tiny_pretrained(directory: str | Path, model: dict[str, Any] | None = N
     return Path(directory)
 
 
-def accelerate_hf_loop(strategy: dict[str, Any] | None, model: dict[str, Any] | None = None, steps: int = 5) -> dict:
-    """The README's Accelerate loop with a transformers model, unchanged: ``Par3DConfig(tp_plan="auto")``, the model
-    built inside ``init_empty_weights()``, ``train_step`` with a loss that takes the model's output. ``strategy``
-    None: the single-process reference (plain torch, same data and seed)."""
+def _built(config: Any, lora: dict[str, Any] | None) -> Any:
+    """A transformers causal LM of ``config``, with ``get_peft_model`` LoRA adapters of ``lora`` if given."""
     from transformers import AutoModelForCausalLM
 
+    hf_model = AutoModelForCausalLM.from_config(config)
+    if lora is None:
+        return hf_model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(hf_model, LoraConfig(**lora))
+
+
+def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def accelerate_hf_loop(
+    strategy: dict[str, Any] | None, model: dict[str, Any] | None = None, steps: int = 5, lora: dict | None = None
+) -> dict:
+    """The README's Accelerate loop with a transformers model, unchanged: ``Par3DConfig(tp_plan="auto")``, the model
+    built inside ``init_empty_weights()``, ``train_step`` with a loss that takes the model's output. ``strategy``
+    None: the single-process reference (plain torch, same data and seed). ``lora``: the model gets peft's LoRA
+    adapters, and the optimizer their parameters."""
     from tests.accelerate_runs import _data, _optimizer
 
     config = module(model).model_config()
     if strategy is None:
         torch.manual_seed(SEED)
-        hf_model = AutoModelForCausalLM.from_config(config)
-        optimizer = _optimizer(hf_model.parameters())
+        hf_model = _built(config, lora)
+        optimizer = _optimizer(_trained(hf_model))
         losses = []
         for x, y in itertools.islice(_data(GLOBAL_BATCH), steps):
             loss = hf_loss(hf_model(x), y)
@@ -209,8 +226,8 @@ def accelerate_hf_loop(strategy: dict[str, Any] | None, model: dict[str, Any] | 
     accelerator = Par3DAccelerator(par3d=Par3DConfig(tp_plan="auto", timeout_s=120, **strategy))
     torch.manual_seed(SEED)
     with accelerator.init_empty_weights():
-        hf_model = AutoModelForCausalLM.from_config(config)
-    optimizer = _optimizer(hf_model.parameters())
+        hf_model = _built(config, lora)
+    optimizer = _optimizer(_trained(hf_model))
     loader = _data(GLOBAL_BATCH // accelerator.dp_size)
     hf_model, optimizer, loader = accelerator.prepare(hf_model, optimizer, loader)
     losses = []
@@ -220,6 +237,33 @@ def accelerate_hf_loop(strategy: dict[str, Any] | None, model: dict[str, Any] | 
         optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), "mean").item())
     return {"losses": losses, "params": full_state(accelerator.unwrap_model(hf_model))}
+
+
+def fabric_hf_loop(
+    strategy: dict[str, Any], model: dict[str, Any] | None = None, steps: int = 5, lora: dict | None = None
+) -> dict:
+    """:func:`accelerate_hf_loop`'s script under Lightning's Fabric with ``Par3DFabricStrategy``: the same model,
+    seed, optimizer and batches (each data-parallel rank reads every ``dp``-th batch of the seeded loader)."""
+    from lightning_par3d import Par3DFabricStrategy
+    from tests.accelerate_runs import _data, _optimizer
+
+    config = module(model).model_config()
+    par3d = Par3DFabricStrategy(tp_plan="auto", timeout_s=120, **strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=par3d)
+    fabric.launch()
+    torch.manual_seed(SEED)
+    with fabric.init_module(empty_init=True):
+        hf_model = _built(config, lora)
+    hf_model = fabric.setup_module(hf_model)
+    optimizer = fabric.setup_optimizers(_optimizer(_trained(hf_model)))
+    dp, dp_rank = fabric.strategy.engine.dp_size, fabric.strategy.engine.dp_rank
+    losses = []
+    for x, y in itertools.islice(_data(GLOBAL_BATCH // dp), dp_rank, steps * dp, dp):
+        loss = fabric.strategy.train_step(hf_model, x, y, hf_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    return {"losses": losses, "params": full_state(hf_model)}
 
 
 def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:

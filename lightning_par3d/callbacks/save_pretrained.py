@@ -1,4 +1,5 @@
-"""``SavePretrained``: the trained Hugging Face transformers model written as a ``save_pretrained`` directory.
+"""``SavePretrained``: the trained Hugging Face transformers model written as a ``save_pretrained`` directory (a
+``peft`` model: its adapters, as ``PeftModel.save_pretrained`` writes them).
 
 At the end of ``fit`` (and, with ``every_n_epochs``, after every n-th training epoch, into ``epoch=<n>/``) the
 transformers model inside the LightningModule is written by transformers' own ``save_pretrained``: safetensors,
@@ -17,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par3d.checkpoint import hf as hf_checkpoint
+from lightning_par3d.checkpoint.adapters import adapters_of
 from lightning_par3d.integrations.trainer import Par3DStrategy
 
 
@@ -49,4 +51,7 @@ class SavePretrained(Callback):
         elif trainer.is_global_zero:
             hf_checkpoint.save_pretrained(pl_module, pl_module.state_dict(), directory)
         trainer.strategy.barrier("SavePretrained")
-        rank_zero_info(f"par3d: saved the transformers model to {directory} (AutoModelForCausalLM.from_pretrained)")
+        if adapters_of(pl_module):
+            rank_zero_info(f"par3d: saved the LoRA adapters to {directory} (PeftModel.from_pretrained(base, path))")
+        else:
+            rank_zero_info(f"par3d: saved the transformers model to {directory} (AutoModelForCausalLM.from_pretrained)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import logging
 import os
 import pickle
 import shutil
@@ -57,14 +58,24 @@ def full_state_dict(module: nn.Module, holds_copy: bool = True, dst: int = 0) ->
 
     Each DTensor is gathered over its own mesh (``full_tensor()``, a collective of its tp and dp peers), then the
     entries of every rank for which ``holds_copy`` is True (one rank per pipeline stage suffices: the others hold
-    the same values) are merged on ``dst``. Every rank must call it. ``dst`` ends up holding the whole model."""
+    the same values) are merged on ``dst``. Every rank must call it. ``dst`` ends up holding the whole model.
+
+    torch warns, once per rank, that a parameter sharded by FSDP2 over tp's shards is gathered in two all-gathers
+    ("may give inconsistent results between ranks due to different reduction orders"): an all-gather reduces
+    nothing, and this gather runs once per save, so the warning is held back here."""
     from torch.distributed.tensor import DTensor
 
     state: dict[str, torch.Tensor] = {}
-    for name, value in model_state(module).items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if holds_copy:
-            state[name] = full.detach().clone().cpu()  # clone: full_tensor() may return an async result
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for name, value in model_state(module).items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if holds_copy:
+                state[name] = full.detach().clone().cpu()  # clone: full_tensor() may return an async result
+    finally:
+        redistribute_log.setLevel(level)
     if not dist.is_initialized():
         return state
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par3d.checkpoint.adapters import adapter_keys, adapters_of, base_key, init_fresh_adapters, save_adapters
 from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back
 from lightning_par3d.utils.patterns import find_transformers_model
 
@@ -58,20 +59,44 @@ def pretrained_path(module: nn.Module, configured: str | None) -> str:
     return str(path)
 
 
-def load_pretrained(module: nn.Module, path: str) -> None:
+def load_pretrained(module: nn.Module, path: str, adapter_path: str | None = None) -> None:
     """Fills ``module``'s (sharded, materialized) parameters from the safetensors files in ``path``; every rank
     reads only its own slices. A collective: every rank must call it. Raises the same ``ValueError`` on every rank
-    for weights the directory lacks or holds in another shape."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    for weights the directory lacks or holds in another shape.
+
+    A ``peft`` model's base comes from ``path`` (its ``base_layer`` weights under the plain model's names), its
+    adapters from ``adapter_path`` (peft's ``save_pretrained`` directory), or fresh
+    (:func:`~lightning_par3d.checkpoint.adapters.init_fresh_adapters`) without one."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix, _ = _transformers_model(module)
     state = get_model_state_dict(module)
-    names = _strip(prefix, state)
+    adapters = adapter_keys(module)
+    names = {base_key(key): name for key, name in _strip(prefix, state).items() if name not in adapters}
+    tied = {base_key(key) for key in _tied_names(module, prefix)}
+    _read_slices(module, path, state, names, tied)
+    if not adapters_of(module):
+        return
+    if adapter_path is None:
+        init_fresh_adapters(module)
+        return
+    if adapters_of(module) != ["default"]:
+        raise ValueError(
+            f"adapter_path={adapter_path!r}: par3d reads one adapter named 'default' (peft's own name for the first); "
+            f"the model has {adapters_of(module)}."
+        )
+    _read_slices(module, adapter_path, state, {key: name for name, key in adapters.items()}, set())
+
+
+def _read_slices(module: nn.Module, path: str, state: dict[str, Any], names: dict[str, str], tied: set[str]) -> None:
+    """Reads ``names`` ({file key: name in ``module``}) of ``state`` from the safetensors files in ``path``, each
+    rank its own slices, and sets them into ``module``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    tied = _tied_names(module, prefix)
     wanted = {key: state[name] for key, name in names.items() if key in saved or key not in tied}
     _agree_on_problems(_problems(path, wanted, saved))
     swapped = contiguous_copies(wanted)  # packed projections' interleaved shards, as contiguous blocks
@@ -118,7 +143,11 @@ def _agree_on_problems(problems: list[str]) -> None:
 
 def save_pretrained(module: nn.Module, full_state: dict[str, torch.Tensor], directory: str | Path) -> Path:
     """Writes the transformers model inside ``module`` as a ``save_pretrained`` directory, from its whole,
-    unsharded state (``full_state``, keyed as in ``module``); call it on one rank. Returns the directory."""
+    unsharded state (``full_state``, keyed as in ``module``); call it on one rank. Returns the directory. A ``peft``
+    model's adapters are written as peft writes them (:func:`~lightning_par3d.checkpoint.adapters.save_adapters`),
+    its base not (it is the pretrained one)."""
+    if adapters_of(module):
+        return save_adapters(module, full_state, directory)
     prefix, model = _transformers_model(module)
     return write_pretrained(
         model.config, {key: full_state[name] for key, name in _strip(prefix, full_state).items()}, directory

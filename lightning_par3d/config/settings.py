@@ -156,6 +156,12 @@ class Par3DConfig:
     """With ``init="pretrained"``: the local ``save_pretrained`` directory to read. None: the directory the
     transformers model's config was loaded from (``AutoConfig.from_pretrained(path)``)."""
 
+    adapter_path: str | None = None
+    """With ``init="pretrained"`` and a ``peft`` model: the local directory of its saved adapters (peft's
+    ``save_pretrained``: ``adapter_model.safetensors``), each rank reading only its slices, as the base's. None:
+    the adapters start fresh, drawn as peft initializes them (``lora_B`` zero) from the seed and each adapter's name,
+    the same at every layout (:func:`~lightning_par3d.checkpoint.adapters.init_fresh_adapters`)."""
+
     loss_mean: str = "tokens"
     """What the step's loss and gradient average over. ``"tokens"``: the global batch's token mean, the sum of the
     token losses over every pipeline microbatch, data-parallel rank and batch of the accumulation window divided by

@@ -8,6 +8,7 @@ in the launching process with a message that names the value, what is allowed, a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from lightning_par3d.config.layout import Layout
@@ -46,6 +47,16 @@ def _check_positive_int(errors: _Errors, name: str, value: Any, meaning: str) ->
 def _check_init(config: Par3DConfig, errors: _Errors) -> None:
     if config.init not in INIT_MODES:
         errors.add(f"init={config.init!r} is not an init mode. Allowed: {', '.join(map(repr, INIT_MODES))}.")
+    if config.adapter_path is not None and config.init != "pretrained":
+        errors.add(
+            f"adapter_path={config.adapter_path!r} is set but init={config.init!r}: set init='pretrained' to start "
+            "from the saved adapters on the pretrained base, or drop adapter_path."
+        )
+    elif config.adapter_path is not None and not (Path(config.adapter_path) / "adapter_model.safetensors").is_file():
+        errors.add(
+            f"adapter_path={config.adapter_path!r} holds no adapter_model.safetensors: give the directory peft's "
+            "save_pretrained (or par3d's SavePretrained on a peft model) wrote."
+        )
     if config.pretrained_path is not None and config.init != "pretrained":
         errors.add(
             f"pretrained_path={config.pretrained_path!r} is set but init={config.init!r}: set init='pretrained' to "

@@ -45,7 +45,7 @@ from lightning_par3d.parallel.precision import autocast, check_precision
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.actions import Action, pipeline_actions, schedule_peak
 from lightning_par3d.pipeline.trunk import declared_pipeline
-from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode
+from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode, moves_in_place_skipped
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
 
 _DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
@@ -200,6 +200,7 @@ def estimate_memory(
             peak, in_flight = schedule_peak(order[pp_rank], {s: stages[s].activation_bytes for s in mine})
         recompute = max(stages[s].recompute_bytes for s in mine)
         shapes = [shape for s in mine for shape in stages[s].param_shapes]
+        frozen = [flag for s in mine for flag in stages[s].frozen]
         param_b, grad_b, state_b = _DTYPE_BYTES[precision]
         state = model_state_formula(  # dp_shard rank 0: the one whose chunks are never short
             shapes,
@@ -209,6 +210,7 @@ def estimate_memory(
             grad_bytes=grad_b,
             optimizer=OPTIMIZER_STATE_LAYOUTS[optimizer],
             state_bytes=state_b,
+            frozen=frozen,
         )
         ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
         rows.append(RankEstimate(pp_rank, tuple(mine), ranks, state, peak, recompute, per_mb, in_flight))
@@ -229,41 +231,26 @@ class _StageMeasure:
     """Under full or selective checkpointing: the largest checkpointed block's own activations, held again while
     backward recomputes it."""
     output: Any = None
-
-
-PEFT_NOT_ESTIMATED = (
-    "The memory estimator (and so the planner and layout='auto') cannot build a peft adapter model yet: peft moves "
-    "each adapter onto its base layer's device, which torch's fake tensors refuse. Estimate or plan the model "
-    "without adapters (its frozen base then counts gradients and optimizer state it will not have), and pin the "
-    "layout."
-)
-
-
-def _raised_in_peft(error: BaseException) -> bool:
-    import traceback
-
-    return any("/peft/" in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__))
+    frozen: list[bool] = field(default_factory=list)
+    """Per parameter in ``param_shapes``: frozen (``requires_grad=False``)."""
 
 
 def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
     """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
-    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype."""
+    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype. A ``.to()`` in the build
+    that changes nothing (``peft`` moves each adapter it makes to its base layer's device) leaves the module as it
+    is (:func:`~lightning_par3d.utils.torch_private.moves_in_place_skipped`)."""
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"), moves_in_place_skipped():
             if isinstance(module, nn.Module):
                 with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
                     built = copy.deepcopy(module)
                 configure = getattr(built, "configure_model", None)
                 if callable(configure):
-                    try:
-                        configure()
-                    except RuntimeError as error:
-                        if _raised_in_peft(error):
-                            raise ValueError(PEFT_NOT_ESTIMATED) from error
-                        raise
+                    configure()
                 return built
             return module()
     finally:
@@ -336,10 +323,11 @@ class _Part:
         with self.fake:
             part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn)
             shapes = _tp_local_shapes(part)
+            frozen = [not p.requires_grad for p in part.parameters()]
             with autocast(self.precision), meter:
                 output = run()
         detached = output.detach() if isinstance(output, Tensor) else None
-        return _StageMeasure(shapes, meter.peak, recompute, detached)
+        return _StageMeasure(shapes, meter.peak, recompute, detached, frozen)
 
     def _parallelized(
         self, config: Par3DConfig, carried: Any, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_par3d.parallel.packed_shards import is_packed_shard, scatter_from_rank0
 from lightning_par3d.parallel.ties import retie, tied_groups
+from lightning_par3d.utils.patterns import is_transformers_model
 
 
 @contextmanager
@@ -146,14 +147,23 @@ def _load_from_rank0(module: nn.Module, state: BuildState, strict: bool = True) 
 
 
 def reset_parameters(module: nn.Module) -> None:
-    """Calls ``reset_parameters()`` on every submodule that owns parameters or buffers and defines it."""
+    """Calls ``reset_parameters()`` on every submodule that owns parameters and defines it; inside a Hugging Face
+    transformers model, that model's own ``_init_weights`` on those that do not (its norms). Buffers are the rank's
+    own (built real), not reset."""
     missing = set()
+    owners: dict[int, Any] = {}
     for sub in module.modules():
-        if not any(True for _ in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))):
+        init_weights = getattr(sub, "_init_weights", None)
+        if is_transformers_model(sub) and callable(init_weights):
+            owners.update({id(inner): init_weights for inner in sub.modules()})
+    for sub in module.modules():
+        if not any(True for _ in sub.parameters(recurse=False)):
             continue
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
+        elif id(sub) in owners:
+            owners[id(sub)](sub)
         else:
             missing.add(type(sub).__name__)
     if missing:

@@ -17,7 +17,9 @@ The structure is found from the model, not from a list of class names (:func:`de
 first parameterized module after them (the final norm), a parameterless module holding ``inv_freq`` (rotary), a
 second embedding before the layers (learned positions) and a dropout before them, and the ``lm_head``. Llama,
 Mistral, Qwen2, Qwen3 and GPT-2 have this shape. Tied input and output embeddings cannot be split between the first
-and last stage, and are refused under pipelining.
+and last stage, and are refused under pipelining. A ``peft`` model wrapping such a model is split as it is: the
+layout's names are found in the transformers model inside it and prefixed with its place there
+(``base_model.model.``), so each stage keeps its LoRA layers under their peft names.
 
 Padded batches: the trunk call's ``attention_mask=`` (and ``position_ids=``) reach every stage (torch's schedule
 passes the call's keyword arguments to each stage's forward, split into the same microbatches as the ids), and each
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.utils.patterns import is_transformers_model
+from lightning_par3d.utils.patterns import find_transformers_model, is_peft_model, is_transformers_model
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,23 @@ class DecoderLayout:
     positions: str | None = None
     dropout: str | None = None
     rotary: str | None = None
+    model: str = ""
+    """The transformers model itself: ``""``, or its name inside a ``peft`` model that wraps it."""
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout | None:
-    """The layout of a transformers causal LM, or None for anything else."""
+    """The layout of a transformers causal LM, or of a ``peft`` model wrapping one (its names then within the
+    ``peft`` model: ``base_model.model.model.layers``, …), or None for anything else."""
+    if is_peft_model(model):
+        found = find_transformers_model(model)
+        inner = decoder_layout(found[1]) if found is not None else None
+        if found is None or inner is None:
+            return None
+        head = found[0] + "."
+        return DecoderLayout(
+            **{key: head + value if value else value for key, value in vars(inner).items() if key != "model"},
+            model=found[0],
+        )
     if not is_transformers_model(model) or not isinstance(getattr(model, "lm_head", None), nn.Linear):
         return None
     prefix = getattr(model, "base_model_prefix", "")
@@ -93,14 +108,7 @@ def decoder_layout(model: nn.Module) -> DecoderLayout | None:
 
 
 def check_pipelinable(model: nn.Module) -> None:
-    """Refuses what the stage split cannot serve: input and output embeddings tied into one parameter, and a
-    ``peft`` model (its adapters would travel with their blocks, but its wrapper's names do not split yet)."""
-    if hasattr(model, "peft_config") and hasattr(model, "base_model"):
-        raise ValueError(
-            f"{type(model).__name__} is a peft model: par3d does not pipeline adapter models yet (pp > 1). Train "
-            "its LoRA adapters with data and tensor parallelism (dp_shard, dp_replicate, tp), or pipeline the "
-            "model without adapters."
-        )
+    """Refuses what the stage split cannot serve: input and output embeddings tied into one parameter."""
     layout = decoder_layout(model)
     if layout is None:
         return
@@ -126,7 +134,7 @@ def install_stage_forward(
 def _stage_forward(
     stage: nn.Module, layout: DecoderLayout, layers: list[int], first: bool, last: bool, shards: int
 ) -> Callable[..., torch.Tensor]:
-    config = stage.config
+    config = stage.get_submodule(layout.model).config
 
     def part(name: str | None) -> Any:
         return stage.get_submodule(name) if name else None

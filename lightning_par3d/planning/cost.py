@@ -47,6 +47,10 @@ parameter and gradient element sizes; buckets of 25 MiB as par3d's DDP and ZeRO 
   stay gathered across the microbatches), ``2·m`` under pp with ``reshard_after_forward=True``;
 * replication under tp or pp (FSDP2 with a shard of 1): ``all_reduce(P·g, R)``.
 
+A frozen parameter (``requires_grad=False``: a LoRA fine-tune's base) has no gradient: the reductions above move the
+trained elements only (``P_u`` of a unit's reduce-scatter counts its trained elements), FSDP2 still gathers it, and
+DDP and ZeRO-1/2, which handle the optimizer's parameters only, neither reduce nor gather it.
+
 Where the machine overlaps communication with compute (NCCL's streams), only ``max(comm − compute, longest single
 collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
 
@@ -54,7 +58,7 @@ collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
 ``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, and each
 hop between ranks ``send(stage output at b samples)``. The simulation gives when each rank's last action ends.
 
-**Optimizer**: ``E`` elements stepped on the rank (``P``, or ``P/N`` under ZeRO ≥ 1) read and written once:
+**Optimizer**: ``E`` trained elements stepped on the rank (``P``, or ``P/N`` under ZeRO ≥ 1) read and written once:
 ``E·(2p + g + 2·s·K)/memory_bandwidth + 10·tensors·o`` (``K`` state tensors per element, Adam's 2 of ``s`` = 4 bytes),
 with ``d`` instead of ``o`` where the parameters are DTensors (FSDP2's shards, tensor parallelism).
 
@@ -250,6 +254,14 @@ def _elements(params: Iterable[StageParams]) -> tuple[int, list[int], int]:
     return sum(p.elements for p in ps), [u for p in ps for u in p.units], sum(p.tensors for p in ps)
 
 
+def _trained(params: Iterable[StageParams]) -> tuple[int, list[int], int]:
+    """As :func:`_elements`, of the parameters that train (a frozen base has no gradients and no optimizer state:
+    DDP and ZeRO-1/2 reduce and step only the trained ones)."""
+    ps = list(params)
+    units = [u for p in ps for u in p.gradient_units]
+    return sum(units), units, sum(p.trained_tensors for p in ps)
+
+
 def data_parallel_collectives(
     layout: Layout, params: list[StageParams], precision: str, machine: Machine, devices_per_node: int
 ) -> list[float]:
@@ -258,43 +270,44 @@ def data_parallel_collectives(
 
     if layout.dp == 1:
         return []
-    elements, units, _ = _elements(params)
+    _, units, _ = _elements(params)
+    trained, trained_units, _ = _trained(params)
     p = g = element_bytes(precision).param
     N, R, m = layout.dp_shard, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
     link = functools.partial(group_link, layout, machine=machine, devices_per_node=devices_per_node)
     engine = layout.data_parallel
     if engine == "ddp":
-        return bucketed("all_reduce", elements * g, R, link("dp_replicate"))
+        return bucketed("all_reduce", trained * g, R, link("dp_replicate"))
     if engine == "zero":
-        gather = bucketed("all_gather", elements * p, N, link("dp_shard"))
+        gather = bucketed("all_gather", trained * p, N, link("dp_shard"))
         if layout.zero == 1:
-            return bucketed("all_reduce", elements * g, R * N, link("dp")) + gather
-        scatter = bucketed("reduce_scatter", elements * g, N, link("dp_shard"))
-        return scatter + bucketed("all_reduce", elements * g / N, R, link("dp_replicate")) + gather
+            return bucketed("all_reduce", trained * g, R * N, link("dp")) + gather
+        scatter = bucketed("reduce_scatter", trained * g, N, link("dp_shard"))
+        return scatter + bucketed("all_reduce", trained * g / N, R, link("dp_replicate")) + gather
     # FSDP2
     mixed = fsdp_mixed_precision(precision) is not None
     gather_b, reduce_b = (2 if mixed else p), (4 if mixed else g)
     if N == 1:
-        return [all_reduce(elements * reduce_b, R, link("dp_replicate"))]
+        return [all_reduce(trained * reduce_b, R, link("dp_replicate"))]
     times = []
-    for i, unit in enumerate(units):
+    for i, (unit, unit_trained) in enumerate(zip(units, trained_units, strict=True)):
         root = i == len(units) - 1
         if layout.pp == 1:
             gathers = 1 if root or not layout.reshard_after_forward else 2
         else:
             gathers = 2 * m if layout.reshard_after_forward and not root else 1
         times += [all_gather(unit * gather_b, N, link("dp_shard"))] * gathers
-        times.append(reduce_scatter(unit * reduce_b, N, link("dp_shard")))
+        times.append(reduce_scatter(unit_trained * reduce_b, N, link("dp_shard")))
         if R > 1:
-            times.append(all_reduce(unit * reduce_b / N, R, link("dp_replicate")))
+            times.append(all_reduce(unit_trained * reduce_b / N, R, link("dp_replicate")))
     return [t for t in times if t > 0]
 
 
 def optimizer_time(
     layout: Layout, params: list[StageParams], precision: str, machine: Machine, optimizer: str
 ) -> float:
-    """One optimizer step on the rank's parameters (or its ZeRO rows)."""
-    elements, _, tensors = _elements(params)
+    """One optimizer step on the rank's trained parameters (or its ZeRO rows)."""
+    elements, _, tensors = _trained(params)
     if layout.zero >= 1 and layout.dp_shard > 1:
         elements = math.ceil(elements / layout.dp_shard)
     p = g = element_bytes(precision).param

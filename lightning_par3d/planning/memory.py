@@ -146,6 +146,7 @@ class MemoryModel:
                 grad_bytes=grad_b,
                 optimizer=OPTIMIZER_STATE_LAYOUTS[self.optimizer],
                 state_bytes=state_b,
+                frozen=[flag for s in mine for flag in params[s].frozen or (False,) * len(params[s].shapes)],
             )
             ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
             per_mb = tuple(per_stage[s] for s in mine)

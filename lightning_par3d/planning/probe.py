@@ -133,10 +133,23 @@ class StageParams:
     units: tuple[int, ...]
     """Elements per FSDP2 unit: each block FSDP2 would wrap, then the stage's root (everything else)."""
     tensors: int
+    frozen: tuple[bool, ...] = ()
+    """Per shape: a frozen parameter (``requires_grad=False``: no gradient, no optimizer state); empty: none."""
+    trained_units: tuple[int, ...] | None = None
+    """The trained elements of each unit (what its gradient collectives move); None: every element."""
 
     @property
     def elements(self) -> int:
         return sum(self.units)
+
+    @property
+    def gradient_units(self) -> tuple[int, ...]:
+        """Elements per unit that have gradients."""
+        return self.units if self.trained_units is None else self.trained_units
+
+    @property
+    def trained_tensors(self) -> int:
+        return self.tensors - sum(self.frozen)
 
 
 # ---------------------------------------------------------------- building copies
@@ -432,21 +445,26 @@ def stage_params(
     for s, part in enumerate(parts.stages):
         params = list(part.parameters())
         shapes = tuple(tuple(local_tensor(p).shape) for p in params)
+        frozen = tuple(not p.requires_grad for p in params)
         seen: set[int] = set()
-        units = []
-        for block in parts.blocks[s]:
-            units.append(_elements(block.parameters(), seen))
-        units.append(_elements(iter(params), seen))
-        result.append(StageParams(s, shapes, tuple(units), len(params)))
+        units, trained = [], []
+        for group in [*(block.parameters() for block in parts.blocks[s]), iter(params)]:
+            elements, with_grads = _elements(group, seen)
+            units.append(elements)
+            trained.append(with_grads)
+        trained_units = tuple(trained) if any(frozen) else None
+        result.append(StageParams(s, shapes, tuple(units), len(params), frozen, trained_units))
     return result
 
 
-def _elements(params: Iterator[Tensor], seen: set[int]) -> int:
+def _elements(params: Iterator[Tensor], seen: set[int]) -> tuple[int, int]:
+    """The elements of the parameters not seen yet, and those of them that train."""
     from lightning_par3d.parallel.tensor_parallel import local_tensor
 
-    total = 0
+    total = trained = 0
     for p in params:
         if id(p) not in seen:
             seen.add(id(p))
             total += local_tensor(p).numel()
-    return total
+            trained += local_tensor(p).numel() if p.requires_grad else 0
+    return total, trained

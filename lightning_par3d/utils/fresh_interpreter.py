@@ -63,8 +63,9 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "the call", timeout_s: 
     with tempfile.TemporaryDirectory(prefix="par3d-fresh-") as folder:
         request, result, log = Path(folder, "request.pkl"), Path(folder, "result.pkl"), Path(folder, "output.txt")
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
-        # par3d itself is found where this process found it (the rest of sys.path comes with the request).
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+        # par3d itself is found where this process found it, the folder holding lightning_par3d/ (the rest of
+        # sys.path comes with the request); never lightning_par3d/ itself, whose accelerate.py would shadow the package.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
         request.write_bytes(
             pickle.dumps({"sys_path": list(sys.path), "payload": payload, "env": env, "cwd": os.getcwd()})
         )

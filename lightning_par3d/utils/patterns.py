@@ -50,3 +50,16 @@ def find_transformers_model(module: nn.Module) -> tuple[str, nn.Module] | None:
         if is_transformers_model(sub):
             return name, sub
     return None
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    """A ``peft`` model (what ``get_peft_model`` returns, a ``PeftModel``), found without importing peft."""
+    return hasattr(module, "peft_config") and callable(getattr(module, "get_base_model", None))
+
+
+def find_peft_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost ``peft`` model in ``module`` (``module`` itself included), with its name."""
+    for name, sub in module.named_modules():
+        if is_peft_model(sub):
+            return name, sub
+    return None

@@ -10,7 +10,8 @@ public API to move to. Imports are inside the functions, so that importing this 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +39,31 @@ def fake_mode_paused() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def moves_in_place_skipped() -> Iterator[None]:
+    """While a model is built on fake tensors, ``module.to(...)`` returns the module untouched when it would change
+    no tensor's device or dtype. torch converts a fake parameter by swapping it for a new one, which fails for a
+    parameter something else still references ("_apply(): Couldn't swap Linear.weight"), even when the move is to
+    where the parameter already is: ``peft`` moves each adapter it makes onto its base layer's device so."""
+    original = torch.nn.Module.to
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if all(
+            (device is None or t.device == device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original  # type: ignore[method-assign]
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:

@@ -90,15 +90,21 @@ def model_state_formula(
     grad_bytes: int | None = None,
     optimizer: OptimizerStateLayout = OPTIMIZER_STATE_LAYOUTS["adamw"],
     state_bytes: int | None = None,
+    frozen: Sequence[bool] = (),
 ) -> ModelStateBytes:
     """The bytes of parameters, gradients and optimizer state that dp_shard rank ``index`` of ``n`` holds at ZeRO
-    ``stage`` for parameters of ``shapes`` (their local shapes on this rank)."""
+    ``stage`` for parameters of ``shapes`` (their local shapes on this rank). ``frozen``: per shape, whether the
+    parameter is frozen (``requires_grad=False``, a fine-tune's base): it holds its parameter bytes only, with no
+    gradient and no optimizer state (an optimizer keeps none for a parameter that never has a gradient)."""
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes
     state_bytes = param_bytes if state_bytes is None else state_bytes
     params = grads = states = scalars = 0
-    for shape in shapes:
+    flags = list(frozen) or [False] * len(shapes)
+    for shape, is_frozen in zip(shapes, flags, strict=True):
         p, g, s = tensor_state_elements(shape, stage, n, index)
         params += p
+        if is_frozen:
+            continue
         grads += g
         states += s
         scalars += optimizer.scalar_bytes
