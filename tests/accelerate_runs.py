@@ -41,13 +41,16 @@ def single_process_loop(
     n_layer: int = 2,
     skip: int = 0,
     global_batch: int = GLOBAL_BATCH,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """The reference: one process, plain torch; per-batch losses and the final parameters."""
+    """The reference: one process, plain torch; per-batch losses and the final parameters. ``batches``: the global
+    batches to read, instead of the seeded loader's."""
     torch.manual_seed(SEED)
     model = GPT(GPTConfig(**{**GPT_MODEL, "n_layer": n_layer}))
     optimizer = _optimizer(model.parameters())
     losses = []
-    for i, (x, y) in enumerate(itertools.islice(_data(global_batch), steps * accumulate)):
+    source = batches if batches is not None else _data(global_batch)
+    for i, (x, y) in enumerate(itertools.islice(source, steps * accumulate)):
         loss = gpt_loss(model(x), y)
         (loss / accumulate).backward()
         losses.append(loss.item())
@@ -152,3 +155,42 @@ def fabric_loop(
     if params is not None:
         params = {k.removeprefix("trunk."): v for k, v in params.items()}
     return {"losses": losses, "params": params, "layout": engine.layout}
+
+
+def fabric_loader_loop(strategy: dict[str, Any], batch_size: int, steps: int = 4) -> dict[str, Any]:
+    """A Fabric loop that hands its DataLoader (``batch_size`` per rank, shuffled) to ``fabric.setup_dataloaders``,
+    as Fabric users do: Fabric adds its distributed sampler, and under ``layout="auto"`` par3d re-makes the loader
+    at the per-rank batch that keeps the global batch. Returns the batches the rank read, with its data-parallel
+    rank and whether it is its dp group's first copy (tp rank 0, first pipeline stage)."""
+    import lightning as L
+
+    from lightning_par3d import Par3DFabricStrategy
+
+    fabric = L.Fabric(
+        accelerator="cpu", devices=4, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, timeout_s=120, **strategy)
+    )
+    fabric.launch()
+    torch.manual_seed(SEED)
+    with fabric.init_module():
+        model = GPT(GPTConfig(**GPT_MODEL))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(_optimizer(model.parameters()))
+    data = ShakespeareDataModule(**ACCELERATE_DATA)
+    data.setup()
+    loader = fabric.setup_dataloaders(DataLoader(data.train_set, batch_size, shuffle=True))
+    losses, read = [], []
+    for x, y in itertools.islice(loader, steps):
+        loss = fabric.strategy.train_step(model, x, y, gpt_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        read.append((x.clone(), y.clone()))
+    engine = fabric.strategy.engine
+    coords = engine.mesh.coords(fabric.global_rank)
+    return {
+        "losses": losses,
+        "params": full_state(model),
+        "read": read,
+        "dp_rank": engine.dp_rank,
+        "first_copy": coords.tp == 0 and coords.pp == 0,
+    }

@@ -98,6 +98,20 @@ def test_auto_under_fabric_plans_in_setup_module_from_plan_batch(pool4):
         pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32], measure=2))
 
 
+def test_auto_under_fabric_remakes_the_dataloader_to_keep_the_global_batch(pool4):
+    """tp=2 pinned, global batch 8: Fabric's loader of plan_batch's 2 samples is re-made at 8 / dp per rank by
+    ``setup_dataloaders``; the run follows one process reading the same global batches (the samples the dp ranks
+    really read under Fabric's shuffling sampler)."""
+    from tests.accelerate_runs import fabric_loader_loop, single_process_loop
+
+    strategy = dict(layout="auto", tp=2, plan_batch=[2, 32], global_batch=8)
+    ranks = pool4.run(fabric_loader_loop, strategy=strategy, batch_size=2)
+    firsts = sorted((r for r in ranks if r["first_copy"]), key=lambda r: r["dp_rank"])
+    assert [len(x) for x, _ in firsts[0]["read"]] == [8 // len(firsts)] * 4  # re-made from 2
+    batches = [tuple(torch.cat([r["read"][step][k] for r in firsts]) for k in (0, 1)) for step in range(4)]
+    assert_parity(ranks[0], single_process_loop(steps=4, batches=batches))
+
+
 def test_measuring_more_layouts_than_fit_is_refused_on_every_rank(pool2, tmp_path):
     from tests.harness import RankError
 
