@@ -127,18 +127,24 @@ def select(rows: list[Any], how: str, limit: int | None) -> list[Any]:
 
 
 MEASURED = 3
-"""``layout="auto"``'s default ``measure``: the fastest measured of this many best predictions is its choice."""
+"""``layout="auto"``'s default ``measure``: the fastest measured of the layouts it measures is its choice."""
 
 
-def compare(predicted: list[float], measured: list[float]) -> dict[str, float]:
+def compare(rows: list[Any], measured: list[float]) -> dict[str, float]:
     """First choice vs the best measured (without measuring, and with ``layout="auto"``'s measuring: the fastest
-    measured of the :data:`MEASURED` best predictions), rank correlation, median relative error. ``measured`` in
-    the order of the prediction."""
+    measured of the :data:`MEASURED` layouts it measures, :func:`~lightning_par3d.planning.table.to_measure`, and,
+    for comparison, of the :data:`MEASURED` fastest predictions), rank correlation, median relative error.
+    ``measured`` in the order of ``rows``, the prediction's."""
+    from lightning_par3d.planning.table import to_measure
+
+    predicted = [row.time.total for row in rows]
     best = min(measured)
     errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    picked = {id(row) for row in to_measure(rows, MEASURED)}
     return {
         "first_choice_vs_best": measured[0] / best,
-        "measured_choice_vs_best": min(measured[:MEASURED]) / best,
+        "measured_choice_vs_best": min(m for row, m in zip(rows, measured, strict=True) if id(row) in picked) / best,
+        "top_predictions_vs_best": min(measured[:MEASURED]) / best,
         "spearman": spearman(predicted, measured),
         "median_relative_error": statistics.median(errors),
     }
@@ -181,11 +187,12 @@ def measure_case(model: str, world: int, args: argparse.Namespace) -> dict[str, 
     print("|---:|---|---:|---:|---:|")
     for i, (row, m) in enumerate(zip(rows, medians, strict=True), 1):
         print(f"| {i} | {row.describe()} | {row.time.total * 1e3:.1f} | {m * 1e3:.1f} | {m / row.time.total:.2f} |")
-    result = compare([row.time.total for row in rows], medians)
+    result = compare(rows, medians)
     print(
         f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
-        f"(×{result['first_choice_vs_best']:.2f}; measuring the best {MEASURED}: "
-        f"×{result['measured_choice_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
+        f"(×{result['first_choice_vs_best']:.2f}; measuring {MEASURED} as layout='auto' does: "
+        f"×{result['measured_choice_vs_best']:.2f}; the {MEASURED} fastest predictions: "
+        f"×{result['top_predictions_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
         f"{result['median_relative_error']:.0%}",
         flush=True,
     )
@@ -210,13 +217,13 @@ def main() -> None:
     print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {args.steps - args.warmup} kept steps "
           f"× {args.rounds} rounds per layout\n")  # fmt: skip
     print(f"| model | ranks | layouts measured | first choice | first vs best (measure=0) | with measure={MEASURED} "
-          "| within 10 % | Spearman | median error |")  # fmt: skip
-    print("|---|---:|---:|---|---:|---:|---|---:|---:|")
+          f"| within 10 % | {MEASURED} fastest predictions | Spearman | median error |")  # fmt: skip
+    print("|---|---:|---:|---|---:|---:|---|---:|---:|---:|")
     for (model, world), r in results.items():
         within = "yes" if r["measured_choice_vs_best"] <= 1.10 else "no"
-        ratio, measured = r["first_choice_vs_best"], r["measured_choice_vs_best"]
+        ratio, measured, top = r["first_choice_vs_best"], r["measured_choice_vs_best"], r["top_predictions_vs_best"]
         print(f"| {model} | {world} | {r['layouts']} of {r['fitting']} | {r['first']} | ×{ratio:.2f} | ×{measured:.2f} "
-              f"| {within} | {r['spearman']:.2f} | {r['median_relative_error']:.0%} |")  # fmt: skip
+              f"| {within} | ×{top:.2f} | {r['spearman']:.2f} | {r['median_relative_error']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

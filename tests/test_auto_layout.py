@@ -31,16 +31,16 @@ def _trained(pool: object, devices: int, rank_batch: int, root: object, **strate
 
 
 def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4, tmp_path):
-    """batch_size 2 on 4 ranks: the global batch is 8 at any chosen dp. The 3 layouts predicted fastest are
-    measured first (the default), in the same processes: the run after them is one process's all the same. A
-    second launch of the same job (a restart, a resume) takes the kept choice without measuring again."""
+    """batch_size 2 on 4 ranks: the global batch is 8 at any chosen dp. 3 layouts (the fastest predicted of the 3
+    leading kinds) are measured first (the default), in the same processes: the run after them is one process's all
+    the same. A second launch of the same job (a restart, a resume) takes the kept choice without measuring again."""
     got, layout = _trained(pool4, 4, rank_batch=2, root=tmp_path)
     assert layout.world_size == 4
     reference = run_reference(global_batch=8)
     assert_parity(got, reference)
     log = pool4.log_tail(0, chars=20000)
     assert "It takes the global batch of 8 samples as batch_size" in log
-    assert "par3d layout='auto': measured the 3 layouts predicted fastest, 3 steps each" in log, log
+    assert "par3d layout='auto': measured 3 layouts, the fastest predicted of each kind that leads" in log, log
     assert log.count(" chosen") == 1
     kept = json.loads((tmp_path / "par3d_auto_layout.json").read_text())
     (entry,) = kept.values()

@@ -18,6 +18,7 @@ from lightning_par3d.planning import Link, Machine, SearchSpace, choose_layout, 
 from lightning_par3d.planning.candidates import candidates
 from lightning_par3d.planning.cost import all_gather, all_reduce, group_link, predict_step, send
 from lightning_par3d.planning.probe import StageParams, StageWork
+from lightning_par3d.planning.table import to_measure
 from tests.constants import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +182,25 @@ def test_choose_layout_is_the_best_row(tables):
     assert isinstance(config, Par3DConfig)
     assert _key(config) == _key(tables[4].best.config)
     resolve_layout(config, 4)
+
+
+@pytest.mark.parametrize("count", [1, 3, 5])
+def test_auto_measures_the_fastest_prediction_of_each_leading_kind(tables, count):
+    """layout='auto' measures the plan's first choice and the fastest prediction of the next kinds (pp, tp,
+    data-parallel engine), not near-copies of one kind."""
+    from lightning_par3d.planning.table import layout_kind
+
+    fitting = tables[8].fitting
+    picked = tables[8].to_measure(count)
+    kinds = [layout_kind(row.layout) for row in picked]
+    assert len(picked) == count and picked[0] is fitting[0]
+    assert len(set(kinds)) == count
+    for row, kind in zip(picked, kinds, strict=True):  # each the fastest of its kind
+        assert row is next(r for r in fitting if layout_kind(r.layout) == kind)
+    leading = list(dict.fromkeys(layout_kind(r.layout) for r in fitting))[:count]
+    assert sorted(kinds) == sorted(leading)
+    one_kind = [r for r in fitting if layout_kind(r.layout) == kinds[0]]
+    assert to_measure(one_kind, 3) == one_kind[:3]  # fewer kinds than asked: the next fastest fill in
 
 
 # ---------------------------------------------------------------- bad input

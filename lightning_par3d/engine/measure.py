@@ -200,9 +200,10 @@ def describe_measured(candidates: list[Candidate], times: list[float], best: int
         f"| {i + 1} | {c.name} | {c.predicted_s * 1e3:,.1f} | {t * 1e3:,.1f} |{' chosen' if i == best else ''}"
         for i, (c, t) in enumerate(zip(candidates, times, strict=True))
     ]
-    note = "" if best == 0 else f" (the planner's #{best + 1}; its first measured {times[0] / times[best]:.2f}×)"
+    note = "" if best == 0 else f" (the planner's first choice measured {times[0] / times[best]:.2f}×)"
     return (
-        f"par3d layout='auto': measured the {len(candidates)} layouts predicted fastest, {STEPS} steps each after "
+        f"par3d layout='auto': measured {len(candidates)} layouts, the fastest predicted of each kind that leads "
+        f"(pp, tp, data-parallel engine), {STEPS} steps each after "
         f"{WARMUP} (measuring took {cost_s:.1f} s); training {candidates[best].name}{note}.\n"
         "| # | layout | predicted ms/step | measured ms/step | |\n|---:|---|---:|---:|---|\n" + "\n".join(rows)
     )

@@ -275,7 +275,7 @@ def _plan_on_rank_zero(
         )
     print(describe_choice(table), flush=True)
     chosen = []
-    for row in fitting[: max(count, 1)]:
+    for row in table.to_measure(max(count, 1)):
         assert row.rank_batch is not None and row.time is not None
         split = (row.rank_batch, row.accumulate)
         chosen.append((row.strategy_arguments(), split, row.time.total, row.describe()))
