@@ -85,31 +85,23 @@ def test_auto_under_accelerate_plans_in_prepare_from_the_dataloader(pool4):
     assert_parity(got[0], single_process_loop(global_batch=8))  # batch_size 2 × 4 ranks, re-made at 8 / dp
 
 
-def test_auto_under_fabric_plans_in_setup_module_from_plan_batch(pool4):
-    """Fabric sets the model up before any dataloader: the batch's shape comes from ``plan_batch``; the loop reads
-    the global batch of 8 at whatever dp was chosen."""
-    from tests.accelerate_runs import fabric_loop, single_process_loop
-    from tests.harness import RankError
-
-    got = pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32]))
-    assert "par3d layout='auto': chose " in pool4.log_tail(0, chars=20000), got[0]["layout"]
-    assert_parity(got[0], single_process_loop())
-    with pytest.raises(RankError, match=r"measure=2, but there is no batch to measure with here \(Fabric"):
-        pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32], measure=2))
-
-
-def test_auto_under_fabric_remakes_the_dataloader_to_keep_the_global_batch(pool4):
-    """tp=2 pinned, global batch 8: Fabric's loader of plan_batch's 2 samples is re-made at 8 / dp per rank by
+def test_auto_under_fabric_plans_in_setup_module_and_remakes_the_dataloader(pool4):
+    """Fabric sets the model up before any dataloader: the batch's shape comes from ``plan_batch``. tp=2 pinned,
+    global batch 8: Fabric's loader of plan_batch's 2 samples is re-made at 8 / dp per rank by
     ``setup_dataloaders``; the run follows one process reading the same global batches (the samples the dp ranks
-    really read under Fabric's shuffling sampler)."""
-    from tests.accelerate_runs import fabric_loader_loop, single_process_loop
+    really read under Fabric's shuffling sampler). Measuring, which needs a batch at planning, is refused."""
+    from tests.accelerate_runs import fabric_loader_loop, fabric_loop, single_process_loop
+    from tests.harness import RankError
 
     strategy = dict(layout="auto", tp=2, plan_batch=[2, 32], global_batch=8)
     ranks = pool4.run(fabric_loader_loop, strategy=strategy, batch_size=2)
+    assert "par3d layout='auto': chose " in pool4.log_tail(0, chars=20000)
     firsts = sorted((r for r in ranks if r["first_copy"]), key=lambda r: r["dp_rank"])
     assert [len(x) for x, _ in firsts[0]["read"]] == [8 // len(firsts)] * 4  # re-made from 2
     batches = [tuple(torch.cat([r["read"][step][k] for r in firsts]) for k in (0, 1)) for step in range(4)]
     assert_parity(ranks[0], single_process_loop(steps=4, batches=batches))
+    with pytest.raises(RankError, match=r"measure=2, but there is no batch to measure with here \(Fabric"):
+        pool4.run(fabric_loop, strategy=dict(layout="auto", plan_batch=[2, 32], measure=2))
 
 
 def test_measuring_more_layouts_than_fit_is_refused_on_every_rank(pool2, tmp_path):

@@ -366,16 +366,20 @@ def test_the_package_exports_the_plan_function():
 # ---------------------------------------------------------------- the benchmark
 
 
-def test_benchmark_statistics():
-    from benchmarks.bench_planner import compare, ranks, spearman
+def test_benchmark_statistics(tables):
+    from benchmarks.bench_planner import MEASURED, compare, ranks, spearman
 
     assert ranks([3.0, 1.0, 2.0, 1.0]) == [4.0, 1.5, 3.0, 1.5]
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    got = compare([1.0, 2.0, 3.0], [1.2, 1.0, 3.0])
+    rows = tables[8].fitting
+    another_kind = next(rows.index(r) for r in tables[8].to_measure(MEASURED) if rows.index(r) >= MEASURED)
+    measured = [3.0] * len(rows)
+    measured[0], measured[1], measured[another_kind] = 1.2, 1.1, 1.0
+    got = compare(rows, measured)
     assert got["first_choice_vs_best"] == pytest.approx(1.2)
-    assert got["measured_choice_vs_best"] == pytest.approx(1.0)  # the second prediction, measured among the best 3
-    assert got["median_relative_error"] == pytest.approx(0.2 / 1.2)
+    assert got["measured_choice_vs_best"] == pytest.approx(1.0)  # measured as layout='auto' picks: one per kind
+    assert got["top_predictions_vs_best"] == pytest.approx(1.1)  # the 3 fastest predictions miss it
 
 
 def test_benchmark_trains_a_planned_layout(pool4):
