@@ -15,20 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter(new_interpreter):
-    # Both selections in one interpreter: the second collection finds the suite's modules imported by the first.
+    # One collection of the whole suite, each test printed with the markers conftest gave it.
     collect = (
         "import sys, pytest\n"
-        "quick = pytest.main(['--collect-only', '-q', '-m', 'quick'])\n"
-        "print('=== interpreter tier ===', flush=True)\n"
-        "sys.exit(quick or pytest.main(['--collect-only', '-q', '-m', 'interpreter']))\n"
+        "class Markers:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        for item in session.items:\n"
+        "            print('TIER', item.nodeid, *sorted({m.name for m in item.iter_markers()}), sep='\\t')\n"
+        "sys.exit(pytest.main(['--collect-only', '-q'], plugins=[Markers()]))\n"
     )
     done = new_interpreter([sys.executable, "-c", collect], cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    first, _, second = done.stdout.partition("=== interpreter tier ===")
-    quick = {line.strip() for line in first.splitlines() if "::" in line}
+    marked = [line.split("\t")[1:] for line in done.stdout.splitlines() if line.startswith("TIER\t")]
+    quick = {nodeid for nodeid, *markers in marked if "quick" in markers}
     missing = [nodeid for nodeid in QUICK_PARITY if nodeid not in quick]
     assert not missing, f"parity cases of the quick tier that no longer exist: {missing}"
-    started = {line.strip() for line in second.splitlines() if "::" in line}
+    started = {nodeid for nodeid, *markers in marked if "interpreter" in markers}
     assert started and not started & quick
     assert "tests/test_tiers.py::test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter" in (
         started
