@@ -119,15 +119,9 @@ def accelerate_loop(
     return {"losses": losses, "params": full_state(accelerator.unwrap_model(model)), "dp": accelerator.dp_size}
 
 
-def fabric_loop(
-    strategy: dict[str, Any],
-    steps: int = 6,
-    clip: float | None = None,
-    optimizer_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """:func:`accelerate_loop`'s script under Lightning's Fabric with ``Par3DFabricStrategy``: the same model, seed,
-    optimizer and batches (each data-parallel rank reads every ``dp``-th batch of the seeded loader, as
-    ``Par3DAccelerator`` hands them out)."""
+def _fabric_gpt(strategy: dict[str, Any], **optimizer_options: Any) -> tuple[Any, Any, Any]:
+    """Fabric on 4 ranks with ``Par3DFabricStrategy(**strategy)``, launched, and the seeded GPT and its optimizer
+    set up."""
     import lightning as L
 
     from lightning_par3d import Par3DFabricStrategy
@@ -140,7 +134,19 @@ def fabric_loop(
     with fabric.init_module():
         model = GPT(GPTConfig(**GPT_MODEL))
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(_optimizer(model.parameters(), **(optimizer_options or {})))
+    return fabric, model, fabric.setup_optimizers(_optimizer(model.parameters(), **optimizer_options))
+
+
+def fabric_loop(
+    strategy: dict[str, Any],
+    steps: int = 6,
+    clip: float | None = None,
+    optimizer_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`accelerate_loop`'s script under Lightning's Fabric with ``Par3DFabricStrategy``: the same model, seed,
+    optimizer and batches (each data-parallel rank reads every ``dp``-th batch of the seeded loader, as
+    ``Par3DAccelerator`` hands them out)."""
+    fabric, model, optimizer = _fabric_gpt(strategy, **(optimizer_options or {}))
     engine = fabric.strategy.engine
     dp, dp_rank = engine.dp_size, engine.dp_rank
     losses = []
@@ -162,19 +168,7 @@ def fabric_loader_loop(strategy: dict[str, Any], batch_size: int, steps: int = 4
     as Fabric users do: Fabric adds its distributed sampler, and under ``layout="auto"`` par3d re-makes the loader
     at the per-rank batch that keeps the global batch. Returns the batches the rank read, with its data-parallel
     rank and whether it is its dp group's first copy (tp rank 0, first pipeline stage)."""
-    import lightning as L
-
-    from lightning_par3d import Par3DFabricStrategy
-
-    fabric = L.Fabric(
-        accelerator="cpu", devices=4, strategy=Par3DFabricStrategy(tp_plan=GPT_TP_PLAN, timeout_s=120, **strategy)
-    )
-    fabric.launch()
-    torch.manual_seed(SEED)
-    with fabric.init_module():
-        model = GPT(GPTConfig(**GPT_MODEL))
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(_optimizer(model.parameters()))
+    fabric, model, optimizer = _fabric_gpt(strategy)
     data = ShakespeareDataModule(**ACCELERATE_DATA)
     data.setup()
     loader = fabric.setup_dataloaders(DataLoader(data.train_set, batch_size, shuffle=True))

@@ -25,7 +25,7 @@ import copy
 import math
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def adapter_keys(module: nn.Module) -> dict[str, str]:
     found = find_peft_model(module)
     if found is None:
         return {}
-    prefix, peft_model = found[0], _peft(found[1])
+    prefix, peft_model = found[0], cast(Any, found[1])
     head = f"{prefix}." if prefix else ""
     keys = {}
     for layer_name, layer in peft_model.named_modules():
@@ -58,7 +58,7 @@ def adapter_keys(module: nn.Module) -> dict[str, str]:
 def adapters_of(module: nn.Module) -> list[str]:
     """The names of the adapters of the peft model in ``module`` (none without one)."""
     found = find_peft_model(module)
-    return list(_peft(found[1]).peft_config) if found is not None else []
+    return list(cast(Any, found[1]).peft_config) if found is not None else []
 
 
 def base_key(name: str) -> str:
@@ -71,7 +71,7 @@ def save_adapters(module: nn.Module, full_state: dict[str, torch.Tensor], direct
     (``full_state``, keyed as in ``module``); call it on one rank. Returns the directory."""
     found = find_peft_model(module)
     assert found is not None, "save_adapters needs a module holding a peft model"
-    prefix, peft_model = found[0], _peft(found[1])
+    prefix, peft_model = found[0], cast(Any, found[1])
     head = f"{prefix}." if prefix else ""
     fresh = _meta_copy(peft_model)  # whole, where this rank's module may hold its pipeline stages only
     wanted = adapter_keys(fresh)
@@ -82,11 +82,6 @@ def save_adapters(module: nn.Module, full_state: dict[str, torch.Tensor], direct
     directory = Path(directory)
     fresh.save_pretrained(str(directory), selected_adapters=list(peft_model.peft_config), safe_serialization=True)
     return directory
-
-
-def _peft(model: nn.Module) -> Any:
-    """A peft model, as peft types it (``Any`` here: peft is optional, and typed loosely)."""
-    return model
 
 
 def _meta_copy(peft_model: Any) -> Any:
@@ -119,7 +114,7 @@ def init_fresh_adapters(module: nn.Module) -> None:
     seed = [torch.initial_seed()]
     if dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
-    prefix, peft_model = found[0], _peft(found[1])
+    prefix, peft_model = found[0], cast(Any, found[1])
     head = f"{prefix}." if prefix else ""
     params = dict(module.named_parameters())
     for name in adapter_keys(module):
