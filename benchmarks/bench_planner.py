@@ -3,6 +3,7 @@ they really run?
 
     python benchmarks/bench_planner.py [--models gpt,llama,qwen2] [--worlds 4,8] [--steps 8] [--warmup 3]
                                        [--select distinct|all] [--limit N] [--profile NAME] [--rounds 1]
+                                       [--save FILE.json] [--replay FILE.json]
 
 For each model and world size it plans on ``world`` ranks of this machine, calibrated by the planner itself
 (``calibrate``, as many processes as ranks; ``--profile`` uses a named profile instead), then trains every layout
@@ -24,12 +25,19 @@ It prints, per layout, the predicted and measured step, and per model and world:
 
 The pool's processes share the machine's cores as a run's ranks would, and the calibration measured them so. On a
 shared or loaded machine both the calibration and the runs are noisy: compare on a quiet one.
+
+``--save`` writes each case's machine figures and every measured layout's configuration and step times to a JSON
+file; ``--replay`` reads one back and, measuring nothing, plans each case again with the cost model as it is now on
+the saved machine and compares the new predictions with the saved measurements (a layout the new plan lists under
+another configuration, or no longer lists, is left out and counted): how a change to the cost model is checked
+without measuring again.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import statistics
@@ -150,6 +158,76 @@ def compare(rows: list[Any], measured: list[float]) -> dict[str, float]:
     }
 
 
+def machine_record(machine: Any) -> Any:
+    """A machine (or a profile's name) as JSON."""
+    return machine if isinstance(machine, str) else dataclasses.asdict(machine)
+
+
+def machine_from(record: Any) -> Any:
+    """:func:`machine_record`'s inverse."""
+    from lightning_par3d.planning.machine import Link, Machine
+
+    if isinstance(record, str):
+        return record
+    links = {k: Link(**record[k]) for k in ("intra_node", "inter_node")}
+    fields = {f.name for f in dataclasses.fields(Machine)}
+    return Machine(**{**{k: v for k, v in record.items() if k in fields}, **links})
+
+
+def config_record(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+
+def report(rows: list[Any], medians: list[float]) -> dict[str, Any]:
+    """Prints the per-layout table and the comparison; returns the comparison."""
+    print("\n| # | layout | predicted ms | measured ms | measured / predicted |")
+    print("|---:|---|---:|---:|---:|")
+    for i, (row, m) in enumerate(zip(rows, medians, strict=True), 1):
+        print(f"| {i} | {row.describe()} | {row.time.total * 1e3:.1f} | {m * 1e3:.1f} | {m / row.time.total:.2f} |")
+    result = compare(rows, medians)
+    print(
+        f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
+        f"(×{result['first_choice_vs_best']:.2f}; measuring {MEASURED} as layout='auto' does: "
+        f"×{result['measured_choice_vs_best']:.2f}; the {MEASURED} fastest predictions: "
+        f"×{result['top_predictions_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
+        f"{result['median_relative_error']:.0%}",
+        flush=True,
+    )
+    return result
+
+
+def replay_case(case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A saved case planned again with the cost model as it is now; compared with the saved measurements."""
+    from lightning_par3d.planning import SearchSpace, plan
+
+    model, world = case["model"], case["world"]
+    machine = machine_from(case["machine"])
+    described = machine if isinstance(machine, str) else machine.describe()
+    print(f"\n## {model} on {world} ranks (replayed)\nmachine: {described}")
+    table = plan(
+        build_model(model), world, world, args.memory, global_batch=GLOBAL_BATCH, seq_len=SEQ, machine=machine,
+        search=SearchSpace(),
+    )  # fmt: skip
+    saved = [(config_record(r.config), r) for r in table.fitting]
+    rows, medians, missing = [], [], 0
+    for layout in case["layouts"]:
+        match = [r for c, r in saved if c == layout["config"]]
+        if not match:
+            missing += 1
+            continue
+        rows.append(match[0])
+        medians.append(statistics.median(layout["measured_s"]))
+    order = sorted(range(len(rows)), key=lambda i: rows[i].time.total)
+    rows, medians = [rows[i] for i in order], [medians[i] for i in order]
+    first = table.fitting[0]
+    measured_first = config_record(first.config) in [config_record(r.config) for r in rows]
+    print(f"new first choice: {first.describe()}" + ("" if measured_first else " (not among the measured layouts)"))
+    if missing:
+        print(f"{missing} measured layouts are not in the new plan under the same configuration (left out)")
+    result = report(rows, medians)
+    return {**result, "layouts": len(rows), "fitting": len(table.fitting), "first": rows[0].describe()}
+
+
 def measure_case(model: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Plans ``model`` on ``world`` ranks and trains the selected fitting layouts; prints each and returns the
     comparison."""
@@ -183,20 +261,13 @@ def measure_case(model: str, world: int, args: argparse.Namespace) -> dict[str, 
     finally:
         pool.close()
     medians = [statistics.median(measured[i]) for i in range(len(rows))]
-    print("\n| # | layout | predicted ms | measured ms | measured / predicted |")
-    print("|---:|---|---:|---:|---:|")
-    for i, (row, m) in enumerate(zip(rows, medians, strict=True), 1):
-        print(f"| {i} | {row.describe()} | {row.time.total * 1e3:.1f} | {m * 1e3:.1f} | {m / row.time.total:.2f} |")
-    result = compare(rows, medians)
-    print(
-        f"\nfirst choice: {medians[0] * 1e3:.1f} ms, best measured {min(medians) * 1e3:.1f} ms "
-        f"(×{result['first_choice_vs_best']:.2f}; measuring {MEASURED} as layout='auto' does: "
-        f"×{result['measured_choice_vs_best']:.2f}; the {MEASURED} fastest predictions: "
-        f"×{result['top_predictions_vs_best']:.2f}); Spearman {result['spearman']:.2f}; median relative error "
-        f"{result['median_relative_error']:.0%}",
-        flush=True,
-    )
-    return {**result, "layouts": len(rows), "fitting": len(table.fitting), "first": rows[0].describe()}
+    result = report(rows, medians)
+    saved = {
+        "model": model, "world": world, "machine": machine_record(machine),
+        "layouts": [{"config": config_record(row.config), "describe": row.describe(), "predicted_s": row.time.total,
+                     "measured_s": measured[i]} for i, row in enumerate(rows)],
+    }  # fmt: skip
+    return {**result, "layouts": len(rows), "fitting": len(table.fitting), "first": rows[0].describe(), "saved": saved}
 
 
 def main() -> None:
@@ -210,9 +281,18 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="measure at most this many layouts")
     parser.add_argument("--profile", default=None, help="plan with a named profile instead of calibrating")
     parser.add_argument("--memory", default="4GiB", help="memory per rank the plan may use")
+    parser.add_argument("--save", default=None, help="write the machines and measurements to this JSON file")
+    parser.add_argument("--replay", default=None, help="re-predict a --save file's measurements; measure nothing")
     args = parser.parse_args()
-    cases = [(m, int(w)) for m in args.models.split(",") for w in args.worlds.split(",")]
-    results = {case: measure_case(*case, args) for case in cases}
+    if args.replay:
+        saved = json.loads(Path(args.replay).read_text())
+        results = {(c["model"], c["world"]): replay_case(c, args) for c in saved["cases"]}
+    else:
+        cases = [(m, int(w)) for m in args.models.split(",") for w in args.worlds.split(",")]
+        results = {case: measure_case(*case, args) for case in cases}
+        if args.save:
+            cases_saved = [r.pop("saved") for r in results.values()]
+            Path(args.save).write_text(json.dumps({"cases": cases_saved}, indent=1))
     machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
     print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {args.steps - args.warmup} kept steps "
           f"× {args.rounds} rounds per layout\n")  # fmt: skip

@@ -143,8 +143,9 @@ def _from_rank_zero(value: Any) -> Any:
 def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
     """``mode=advise``: a short measured run of the configured job (``advise.steps`` steps, the bottleneck report
     sampling ``advise.sampled`` of them after ``advise.skip_first``), then, in the same processes, the same short
-    run with the report's top suggestion, and (``advise.recheck``) the configured run once more, whose difference
-    from the first is the noise of a pair of runs; prints the suggestion's predicted step beside the measured ones.
+    run with the report's top suggestion (or ``advise.change``, a change the report weighs, by its description),
+    and (``advise.recheck``) the configured run once more, whose difference from the first is the noise of a pair
+    of runs; prints the change's predicted step beside the measured ones.
     """
     from omegaconf import OmegaConf
 
@@ -163,10 +164,16 @@ def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
         return report, (sum(steps) / len(steps) / 1e6 if steps else 0.0)
 
     report, before = measured_run(cfg, advise=True)
-    top = next((a for a in report.advice if a.suggested), None)  # rank 0's: every rank follows it
+    wanted = cfg.advise.get("change")
+    weighed = [a.change.description for a in report.advice]
+    if wanted is None:
+        top = next((a for a in report.advice if a.suggested), None)  # rank 0's: every rank follows it
+    else:
+        top = next((a for a in report.advice if a.change.description == wanted), None)
     noise = max(0.05, report.measured.noise) if report.measured is not None else 0.05
-    decision = _from_rank_zero((top, report.advice_error, noise))
-    top, advice_error, noise = decision
+    top, advice_error, noise, weighed = _from_rank_zero((top, report.advice_error, noise, weighed))
+    if wanted is not None and top is None and advice_error is None:
+        raise ValueError(f"advise.change={wanted!r} is not a change the report weighs here. Weighed: {weighed}.")
     result: dict[str, Any] = {"measured_s": before, "suggestion": None}
     if advice_error is not None or top is None:
         if report.summaries:  # rank 0

@@ -4,6 +4,7 @@ the calibration's fit, and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -16,7 +17,15 @@ from lightning_par3d import Par3DConfig, estimate_memory, resolve_layout
 from lightning_par3d.distributed.fakeworld import forget_meshes
 from lightning_par3d.planning import Link, Machine, SearchSpace, choose_layout, machine_profile, plan, schedule_bubble
 from lightning_par3d.planning.candidates import candidates
-from lightning_par3d.planning.cost import all_gather, all_reduce, group_link, predict_step, send
+from lightning_par3d.planning.cost import (
+    all_gather,
+    all_reduce,
+    data_parallel_collectives,
+    group_link,
+    predict_step,
+    reduce_scatter,
+    send,
+)
 from lightning_par3d.planning.probe import StageParams, StageWork
 from lightning_par3d.planning.table import to_measure
 from tests.constants import MODEL
@@ -230,7 +239,7 @@ def test_bad_input_is_refused_with_the_value_and_the_fix(change, message):
 
 def test_a_device_memory_nothing_fits_in_is_refused_with_the_smallest_need():
     with pytest.raises(ValueError, match=r"No layout of GPTModule on 4 ranks fits device_memory=10.00 KiB.*needs"):
-        plan(GPTModule(**MODEL), 4, 4, "10KiB", global_batch=BATCH, seq_len=SEQ)
+        plan(GPTModule(**MODEL), 4, 4, "10KiB", global_batch=BATCH, seq_len=SEQ, fixed={"pp": 1, "tp": 1})
 
 
 # ---------------------------------------------------------------- the pipeline bubble
@@ -312,6 +321,26 @@ def test_calibration_fit_recovers_latency_and_bandwidth():
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
 
 
+def test_reduce_scatter_costs_what_the_calibration_measured_over_an_all_gather():
+    from lightning_par3d.planning.calibrate import reduce_scatter_factor
+
+    link = Link(1e-4, 1e9)
+    samples = [("reduce_scatter", float(s), 3.0 * all_gather(s, 4, link)) for s in (4096, 2**20)]
+    samples += [("all_gather", 4096.0, all_gather(4096, 4, link))]
+    assert reduce_scatter_factor(samples, 4, link) == pytest.approx(3.0)
+    assert reduce_scatter_factor(samples[2:], 4, link) == 1.0  # none measured
+    slower = Link(1e-4, 1e9, reduce_scatter_factor=3.0)
+    assert reduce_scatter(8e6, 4, slower) == pytest.approx(3 * all_gather(8e6, 4, link))
+    assert reduce_scatter(8e6, 4, link) == pytest.approx(all_gather(8e6, 4, link))
+    # ZeRO-2 reduce-scatters its gradients, DDP all-reduces them: only ZeRO-2's step grows with the factor
+    zero2, ddp = (resolve_layout(Par3DConfig(**c), 4) for c in ({"dp_shard": 4, "zero_stage": 2}, {"dp_replicate": 4}))
+    params = [StageParams(0, ((1000, 1000),), (10**6,), 1)]
+    machines = [dataclasses.replace(_uniform_machine(), intra_node=x, inter_node=x) for x in (link, slower)]
+    for layout, grows in ((zero2, True), (ddp, False)):
+        fast, slow = (sum(data_parallel_collectives(layout, params, "32-true", m, 4)) for m in machines)
+        assert (slow > fast) is grows
+
+
 def test_calibrate_measures_this_machine():
     from lightning_par3d.planning import calibrate
 
@@ -319,6 +348,7 @@ def test_calibrate_measures_this_machine():
     assert machine.flops_for("32-true") > 1e8 and 0 < machine.op_overhead_s < 1e-2
     assert machine.intra_node.bandwidth > 1e6 and math.isfinite(machine.intra_node.latency_s)
     assert machine.measurements["measuring_s"] < 30
+    assert machine.intra_node.reduce_scatter_factor >= 1.0
 
 
 # ---------------------------------------------------------------- the command line
@@ -380,6 +410,20 @@ def test_benchmark_statistics(tables):
     assert got["first_choice_vs_best"] == pytest.approx(1.2)
     assert got["measured_choice_vs_best"] == pytest.approx(1.0)  # measured as layout='auto' picks: one per kind
     assert got["top_predictions_vs_best"] == pytest.approx(1.1)  # the 3 fastest predictions miss it
+
+
+def test_benchmark_saves_what_it_replays():
+    """--save writes the machine and the configurations as --replay reads them back."""
+    import json
+
+    from benchmarks.bench_planner import config_record, machine_from, machine_record
+
+    link = Link(1e-4, 1e9, reduce_scatter_factor=2.5)
+    machine = dataclasses.replace(_uniform_machine(), intra_node=link, measurements={"op_s": 1e-5})
+    assert machine_from(json.loads(json.dumps(machine_record(machine)))) == machine
+    assert machine_from(machine_record("h100-sxm-8")) == "h100-sxm-8"
+    config = Par3DConfig(pp=2, dp_shard=2, microbatches=4)
+    assert json.loads(json.dumps(config_record(config))) == config_record(config)
 
 
 def test_benchmark_trains_a_planned_layout(pool4):

@@ -14,8 +14,14 @@ from tests.conftest import QUICK_PARITY
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter(new_interpreter):
-    # One collection of the whole suite, each test printed with the markers conftest gave it.
+def _suite_markers(request, new_interpreter) -> list[list[str]]:
+    """Every test of the suite, each as [node id, its markers...]: this session's own items where it collected the
+    whole suite (``make test``), else one collection of it in a new interpreter (this test run alone)."""
+    items, option = request.session.items, request.config.option
+    every = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    unfiltered = not option.keyword and not option.markexpr
+    if unfiltered and every <= {Path(str(item.fspath)).name for item in items}:
+        return [[item.nodeid, *sorted({m.name for m in item.iter_markers()})] for item in items]
     collect = (
         "import sys, pytest\n"
         "class Markers:\n"
@@ -26,7 +32,11 @@ def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interp
     )
     done = new_interpreter([sys.executable, "-c", collect], cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    marked = [line.split("\t")[1:] for line in done.stdout.splitlines() if line.startswith("TIER\t")]
+    return [line.split("\t")[1:] for line in done.stdout.splitlines() if line.startswith("TIER\t")]
+
+
+def test_the_quick_tier_holds_its_parity_cases_and_nothing_that_starts_an_interpreter(request, new_interpreter):
+    marked = _suite_markers(request, new_interpreter)
     quick = {nodeid for nodeid, *markers in marked if "quick" in markers}
     missing = [nodeid for nodeid in QUICK_PARITY if nodeid not in quick]
     assert not missing, f"parity cases of the quick tier that no longer exist: {missing}"

@@ -12,7 +12,9 @@ with one GPU each) and each, at the same time as the others (so that processes s
 * **memory bandwidth**: copies of a 16 MiB tensor (each reads and writes it);
 * **collectives**: all-reduce and all-gather of 4 KiB to 4 MiB (the median of a few, the slowest rank's), fitted by
   least squares, relative to each time, to the ring formulas of :mod:`~lightning_par3d.planning.cost` for a latency
-  α per step and a bandwidth β.
+  α per step and a bandwidth β; and reduce-scatters of the same sizes, whose median time over the fitted
+  all-gather's is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo, which runs it as more than a
+  ring pass).
 
 On one machine nothing crosses a network, so the link across nodes is the one within (give ``inter_node=`` for a
 real network). It takes a few seconds beyond starting the processes (each imports torch).
@@ -24,6 +26,7 @@ were, so the training that follows draws what it would have drawn.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
@@ -100,6 +103,7 @@ def calibrate_job(device: torch.device, group: Any, *, seconds: float = 0.3, int
 
 def _machine(measured: dict[str, Any], n: int, backend: str, name: str, inter_node: Link | None) -> Machine:
     link = _fit_link(measured["collectives"], n)
+    link = dataclasses.replace(link, reduce_scatter_factor=reduce_scatter_factor(measured["collectives"], n, link))
     gpu = backend == "nccl"
     figures = {k: v for k, v in measured.items() if k != "collectives"}
     return Machine(
@@ -113,8 +117,22 @@ def _machine(measured: dict[str, Any], n: int, backend: str, name: str, inter_no
         async_kernels=gpu,
         overlap_communication=gpu,
         source=f"measured on this machine by {n} processes over {backend}",
-        measurements={**figures, "alpha_s": link.latency_s, "beta_bytes_per_s": link.bandwidth},
+        measurements={
+            **figures,
+            "alpha_s": link.latency_s,
+            "beta_bytes_per_s": link.bandwidth,
+            "reduce_scatter_factor": link.reduce_scatter_factor,
+        },
     )
+
+
+def reduce_scatter_factor(samples: list[tuple[str, float, float]], n: int, link: Link) -> float:
+    """The median, over the sizes measured, of a reduce-scatter's time over the fitted all-gather's of its size (1
+    where none was measured; never below 1)."""
+    from lightning_par3d.planning.cost import all_gather
+
+    ratios = [seconds / all_gather(size, n, link) for kind, size, seconds in samples if kind == "reduce_scatter"]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 def _free_port() -> int:
@@ -128,6 +146,7 @@ def _fit_link(samples: list[tuple[str, float, float]], n: int) -> Link:
     each time."""
     coefficients = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n)}
     rows, targets = [], []
+    samples = [sample for sample in samples if sample[0] in coefficients]
     for kind, size, seconds in samples:
         latency, volume = coefficients[kind]
         rows.append([latency / seconds, volume * size / seconds])
@@ -177,7 +196,7 @@ def _measure(n: int, device: torch.device, seconds: float, mesh: Any) -> dict[st
         "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
     }
     collectives = []
-    for kind in ("all_reduce", "all_gather"):
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         for size in COLLECTIVE_SIZES:
             collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
     figures["measuring_s"] = time.perf_counter() - start
@@ -257,6 +276,13 @@ def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repe
 
         def run() -> None:
             dist.all_reduce(tensor)
+
+    elif kind == "reduce_scatter":  # as par3d's ZeRO and FSDP2 call it: one flat input, this rank's chunk out
+        flat = torch.zeros(size // 4 // n * n, dtype=torch.float32, device=device)
+        mine = torch.empty(size // 4 // n, dtype=torch.float32, device=device)
+
+        def run() -> None:
+            dist.reduce_scatter_tensor(mine, flat)
 
     else:
         chunk = torch.zeros(size // 4 // n, dtype=torch.float32, device=device)

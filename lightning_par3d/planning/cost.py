@@ -10,8 +10,12 @@ output, the scattered input)::
 
     all_reduce(S, n)     = 2(n−1)·α + 2(n−1)/n · S/β
     all_gather(S, n)     =  (n−1)·α +  (n−1)/n · S/β
-    reduce_scatter(S, n) =  (n−1)·α +  (n−1)/n · S/β
+    reduce_scatter(S, n) = ρ · all_gather(S, n)
     send(S)              =        α +            S/β
+
+``ρ`` is 1 for NCCL (its reduce-scatter runs as its all-gather does); a calibration measures it: gloo's
+reduce-scatter on CPU cores costs several all-gathers, which is what makes ZeRO-2 and FSDP2 slower there than the
+ring formulas say.
 
 A group uses the link *across* nodes when any of its groups holds ranks of two nodes (the mesh is row-major,
 ``tp`` innermost, ``devices_per_node`` ranks per node), else the link within a node.
@@ -126,14 +130,16 @@ def all_reduce(size: float, n: int, link: Link) -> float:
 
 
 def all_gather(size: float, n: int, link: Link) -> float:
-    """Ring all-gather of ``size`` bytes in all (the gathered output) over ``n`` ranks; a reduce-scatter of a
-    ``size``-byte input costs the same."""
+    """Ring all-gather of ``size`` bytes in all (the gathered output) over ``n`` ranks."""
     if n <= 1 or size <= 0:
         return 0.0
     return (n - 1) * link.latency_s + (n - 1) / n * size / link.bandwidth
 
 
-reduce_scatter = all_gather
+def reduce_scatter(size: float, n: int, link: Link) -> float:
+    """Ring reduce-scatter of a ``size``-byte input over ``n`` ranks: an all-gather's time, times the link's
+    measured :attr:`~lightning_par3d.planning.machine.Link.reduce_scatter_factor` (1 on NCCL's profiles)."""
+    return link.reduce_scatter_factor * all_gather(size, n, link)
 
 
 def send(size: float, link: Link) -> float:

@@ -50,10 +50,13 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class Link:
     """A link's cost for the ring algorithms: ``latency_s`` (α) per step, ``bandwidth`` (β) in bytes per second
-    per device, each way."""
+    per device, each way, and the measured :attr:`reduce_scatter_factor` (ρ)."""
 
     latency_s: float
     bandwidth: float
+    reduce_scatter_factor: float = 1.0
+    """A reduce-scatter's time over an all-gather's of the same size (the ring formulas give both the same: NCCL
+    runs them so; gloo's reduce-scatter costs several all-gathers on CPU cores), measured by a calibration."""
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0 or not self.bandwidth > 0:
@@ -112,6 +115,11 @@ class Machine:
             f"{self.memory_bandwidth / 1e9:.3g} GB/s; in a node α {self.intra_node.latency_s * 1e6:.1f} µs, "
             f"β {self.intra_node.bandwidth / 1e9:.3g} GB/s; across nodes α {self.inter_node.latency_s * 1e6:.1f} µs, "
             f"β {self.inter_node.bandwidth / 1e9:.3g} GB/s"
+            + (
+                f"; reduce-scatter ×{self.intra_node.reduce_scatter_factor:.2g} an all-gather"
+                if self.intra_node.reduce_scatter_factor != 1.0
+                else ""
+            )
         )
 
 
