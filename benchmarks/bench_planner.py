@@ -294,8 +294,12 @@ def main() -> None:
             cases_saved = [r.pop("saved") for r in results.values()]
             Path(args.save).write_text(json.dumps({"cases": cases_saved}, indent=1))
     machine_line = f"{os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}"
-    print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {args.steps - args.warmup} kept steps "
-          f"× {args.rounds} rounds per layout\n")  # fmt: skip
+    runs = (
+        f"replayed from {args.replay}"
+        if args.replay
+        else f"{args.steps - args.warmup} kept steps × {args.rounds} rounds per layout"
+    )
+    print(f"\n# Summary: {machine_line}; global batch {GLOBAL_BATCH} × {SEQ}; {runs}\n")
     print(f"| model | ranks | layouts measured | first choice | first vs best (measure=0) | with measure={MEASURED} "
           f"| within 10 % | {MEASURED} fastest predictions | Spearman | median error |")  # fmt: skip
     print("|---|---:|---:|---|---:|---:|---|---:|---:|---:|")

@@ -277,12 +277,13 @@ def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repe
         def run() -> None:
             dist.all_reduce(tensor)
 
-    elif kind == "reduce_scatter":  # as par3d's ZeRO and FSDP2 call it: one flat input, this rank's chunk out
+    elif kind == "reduce_scatter":  # as par3d's ZeRO calls it (zero/buckets.py): one flat input, this rank's chunk out
         flat = torch.zeros(size // 4 // n * n, dtype=torch.float32, device=device)
         mine = torch.empty(size // 4 // n, dtype=torch.float32, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.12
 
         def run() -> None:
-            dist.reduce_scatter_tensor(mine, flat)
+            scatter(mine, flat)
 
     else:
         chunk = torch.zeros(size // 4 // n, dtype=torch.float32, device=device)
