@@ -142,16 +142,25 @@ def compare(rows: list[Any], measured: list[float]) -> dict[str, float]:
     """First choice vs the best measured (without measuring, and with ``layout="auto"``'s measuring: the fastest
     measured of the :data:`MEASURED` layouts it measures, :func:`~lightning_par3d.planning.table.to_measure`, and,
     for comparison, of the :data:`MEASURED` fastest predictions), rank correlation, median relative error.
-    ``measured`` in the order of ``rows``, the prediction's."""
+    ``measured`` in the order of ``rows``, the prediction's. ``learned_choice_vs_best``: with the one more layout
+    measured where the factors learned from those (:func:`~lightning_par3d.planning.learn.worth_measuring`) put
+    another ahead."""
+    from lightning_par3d.planning.learn import buckets_of, worth_measuring
     from lightning_par3d.planning.table import to_measure
 
     predicted = [row.time.total for row in rows]
     best = min(measured)
     errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
-    picked = {id(row) for row in to_measure(rows, MEASURED)}
+    picked = [i for i, row in enumerate(rows) if any(row is r for r in to_measure(rows, MEASURED))]
+    others = [i for i in range(len(rows)) if i not in picked]
+    extra, _ = worth_measuring(
+        [(buckets_of(rows[i].time), measured[i]) for i in picked], [buckets_of(rows[i].time) for i in others]
+    )
+    learned = picked + ([others[extra]] if extra is not None else [])
     return {
         "first_choice_vs_best": measured[0] / best,
-        "measured_choice_vs_best": min(m for row, m in zip(rows, measured, strict=True) if id(row) in picked) / best,
+        "measured_choice_vs_best": min(measured[i] for i in picked) / best,
+        "learned_choice_vs_best": min(measured[i] for i in learned) / best,
         "top_predictions_vs_best": min(measured[:MEASURED]) / best,
         "spearman": spearman(predicted, measured),
         "median_relative_error": statistics.median(errors),

@@ -151,6 +151,15 @@ def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
 
     from lightning_par3d.callbacks import BottleneckReport
 
+    wanted = cfg.advise.get("change")
+    weighed = weighed_changes(cfg) if wanted is not None else None
+    if weighed is not None and wanted not in weighed:
+        raise ValueError(
+            f"advise.change={wanted!r} is not a change the bottleneck report weighs for this job. It weighs: "
+            f"{', '.join(map(repr, weighed))}. Give one of them, quoted for Hydra and the shell "
+            "('advise.change=\"microbatches=2\"'), or leave advise.change unset to check the top suggestion."
+        )
+
     def measured_run(run_cfg: Any, advise: bool) -> tuple[BottleneckReport, float]:
         short = {"max_steps": cfg.advise.steps, "val_check_interval": None, "limit_val_batches": 0,
                  "enable_model_summary": False, "logger": False}  # fmt: skip
@@ -164,7 +173,6 @@ def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
         return report, (sum(steps) / len(steps) / 1e6 if steps else 0.0)
 
     report, before = measured_run(cfg, advise=True)
-    wanted = cfg.advise.get("change")
     weighed = [a.change.description for a in report.advice]
     if wanted is None:
         top = next((a for a in report.advice if a.suggested), None)  # rank 0's: every rank follows it
@@ -202,6 +210,23 @@ def advise_and_verify(cfg: DictConfig) -> dict[str, Any]:
             )
         print("\n".join(lines))
     return result
+
+
+def weighed_changes(cfg: DictConfig) -> list[str] | None:
+    """The changes the bottleneck report weighs for the configured job, by description (what ``advise.change`` may
+    name), from its layout and dataloader settings, before anything runs (None where the layout is chosen at launch
+    or the devices are not a number: the report's own list decides then)."""
+    from lightning_par3d import resolve_layout
+    from lightning_par3d.planning.advice import candidate_changes
+
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes") or 1
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    if not isinstance(devices, int) or strategy.config.layout is not None:
+        return None
+    config = strategy.config
+    layout = resolve_layout(config, devices * nodes)
+    workers = cfg.data.get("num_workers")
+    return [change.description for change in candidate_changes(config, layout, int(cfg.data.batch_size), workers)]
 
 
 MODES: dict[str, Any] = {

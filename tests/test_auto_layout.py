@@ -44,7 +44,8 @@ def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4, tmp_p
     assert log.count(" chosen") == 1
     kept = json.loads((tmp_path / "par3d_auto_layout.json").read_text())
     (entry,) = kept.values()
-    assert len(entry["measured"]) == 3 and entry["arguments"]["tp"] == layout.tp
+    learned = "so it was measured too" in log  # one more where the steps measured put another ahead (see below)
+    assert len(entry["measured"]) == 3 + learned and entry["arguments"]["tp"] == layout.tp
 
     again, layout_again = _trained(pool4, 4, rank_batch=2, root=tmp_path)
     log = pool4.log_tail(0, chars=4000)
@@ -111,6 +112,52 @@ def test_measuring_more_layouts_than_fit_is_refused_on_every_rank(pool2, tmp_pat
     strategy = dict(layout="auto", measure=50, plan_machine="h100-sxm-8")  # a profile: no calibration to wait for
     with pytest.raises(RankError, match=r"measure=50, but only \d+ layouts fit: give measure \d+ or fewer"):
         pool2.run(run_par3d, strategy=strategy, devices=2, rank_batch=4, default_root_dir=str(tmp_path))
+
+
+def _measure_the_learned_one() -> dict:
+    """In a pool of 2: two layouts "measured" (their steps given), whose steps say that data-parallel communication
+    costs far more than predicted and compute less; the reserve holds a layout of compute only and one of
+    communication only. The learned factors make the first worth measuring: it is trained for real, and the fastest
+    of the three is returned."""
+    import io
+    from contextlib import redirect_stdout
+
+    from examples.gpt import GPTModule
+    from lightning_par3d.distributed.groups import init_default_group
+    from lightning_par3d.engine.measure import MeasureWith, measure_learned
+    from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
+    from tests.constants import MODEL
+
+    device = torch.device("cpu")
+    init_default_group(device, 120.0)
+    config, split = Par3DConfig(timeout_s=120), BatchSplit(4, 2)
+    ddp, tp = {"dp_replicate": 2, "dp_shard": 1}, {"dp_shard": 1, "tp": 2}
+    candidates = [candidate_from(config, ddp, split, 0.1, "A", (0.08, 0.0, 0.02, 0.0)),
+                  candidate_from(config, tp, split, 0.1, "B", (0.02, 0.0, 0.08, 0.0))]  # fmt: skip
+    reserve = [candidate_from(config, ddp, split, 0.1, "C", (0.1, 0.0, 0.0, 0.0), reserve=True),
+               candidate_from(config, tp, split, 0.1, "D", (0.0, 0.0, 0.1, 0.0), reserve=True)]  # fmt: skip
+    tokens = torch.randint(0, 65, (2, MODEL["block_size"] + 1))
+    sample = MeasureWith(meta_copy(GPTModule(**MODEL)), (tokens[:, :-1], tokens[:, 1:]))
+    times = [0.06, 0.3]
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        best = measure_learned(candidates, times, 0, reserve, sample, "32-true", device)
+    return {"best": best, "names": [c.name for c in candidates], "times": times, "printed": printed.getvalue()}
+
+
+def test_the_steps_measured_teach_the_model_which_other_layout_to_measure(pool2):
+    """What layout='auto' does after measuring its candidates: the factors learned from their steps re-predict the
+    other fitting layouts, and one they put ahead of the fastest measured is measured too (and chosen where it is
+    the fastest); rank 0 says what it learned."""
+    results = pool2.run(_measure_the_learned_one)
+    got = results[0]
+    assert got["names"] == ["A", "B", "C"] and all(r["names"] == got["names"] for r in results)
+    assert got["times"][2] > 0 and got["best"] == min(range(3), key=got["times"].__getitem__)
+    assert (
+        "dp_comm ×3.57, bubble ×1.80 of its prediction; with them C (predicted 100.0 ms) comes to 45.0 ms"
+        in got["printed"]
+    )
+    assert "so it was measured too" in got["printed"] and results[1]["printed"] == ""
 
 
 # ---------------------------------------------------------------- before any process

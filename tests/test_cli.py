@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import background
+from tests.test_docs import documented  # noqa: F401  (the docs' runs, parametrized below)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,22 +25,6 @@ def train(folder: Path, *overrides: str, timeout: float = 600) -> subprocess.Com
     return background.run(command, timeout=timeout, cwd=ROOT, env=env)
 
 
-dp2_tp2_app = background.fixture(
-    "dp2_tp2_app",
-    lambda folder: (
-        folder,
-        train(
-            folder,
-            "experiment=dp2_tp2",
-            "trainer.max_steps=4",
-            "trainer.val_check_interval=2",
-            "trainer.limit_val_batches=2",
-            "model.n_layer=2",
-            "model.n_embd=64",
-            "callbacks=none",
-        ),
-    ),
-)
 too_wide_tp = background.fixture(
     "too_wide_tp",
     lambda folder: train(folder, "strategy.tp=3", "trainer.devices=4", "logger=none", "callbacks=none", timeout=300),
@@ -70,23 +57,20 @@ README and the docs show (``experiment=hsdp``, the ``tp_plan`` example, ``strate
 first_day = background.fixture(
     "first_day", lambda folder, name: (folder, train(folder, *FIRST_DAY[name], *SMALL)), params=list(FIRST_DAY)
 )
-estimate_mode = background.fixture(
-    "estimate_mode",
-    lambda folder: train(
-        folder, "experiment=demo", "mode=estimate", "strategy.activation_checkpointing=full", timeout=300
-    ),
-)
 unknown_mode = background.fixture(
     "unknown_mode", lambda folder: train(folder, "mode=profile", "logger=none", "callbacks=none", timeout=300)
 )
 
 
-def test_train_app_runs_dp2_tp2_and_logs_the_loss(dp2_tp2_app):
-    folder, out = dp2_tp2_app
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in out.stdout + out.stderr
-    rows = list(csv.DictReader((folder / "logs" / "version_0" / "metrics.csv").open()))
-    assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
+@pytest.mark.parametrize("documented", ["python examples/train.py experiment=dp2_tp2"], indirect=True)
+def test_train_app_runs_dp2_tp2(documented):  # noqa: F811  (the fixture imported above)
+    """The docs' ``experiment=dp2_tp2`` (3 steps here) trains at the layout it names and says so. (The validation
+    loss in the CSV log: the first-day run below.)"""
+    _, out = documented
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in text
+    assert "`max_steps=3` reached" in text
 
 
 def test_the_first_commands_a_user_types_run_to_the_end(first_day):
@@ -123,9 +107,10 @@ def test_model_that_tp_cannot_split_exits_on_every_rank_instead_of_hanging(tp_do
     assert text.count("Error executing job") <= 1 and text.count("Traceback (most recent call last)") <= 1, text
 
 
-def test_estimate_mode_prints_the_per_rank_table_without_launching(estimate_mode):
-    """`mode=estimate` answers in the launching process: no rank is started (the demo's layout needs 8)."""
-    out = estimate_mode
+@pytest.mark.parametrize("documented", ["python examples/train.py experiment=demo mode=estimate"], indirect=True)
+def test_estimate_mode_prints_the_per_rank_table_without_launching(documented):  # noqa: F811
+    """The docs' `mode=estimate` answers in the launching process: no rank is started (the demo's layout needs 8)."""
+    _, out = documented
     assert out.returncode == 0, out.stderr[-3000:]
     assert "par3d memory estimate: pp=2 × dp_replicate=1 × dp_shard=2 × tp=2, ZeRO-3, 32-true" in out.stdout
     assert "| pp rank | stages | ranks | params | grads | optimizer | activations | in flight |" in out.stdout

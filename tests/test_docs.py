@@ -64,6 +64,8 @@ def shortened(command: str, folder: Path) -> list[str]:
         words += [f"hydra.run.dir={folder / 'run'}", f"hydra.sweep.dir={folder / 'sweep'}"]
     words = [re.sub(r"^steps=\d+$", "steps=3", w) for w in words]  # the Accelerate example's Hydra option
     words = [re.sub(r"^--trainer\.max_steps=\d+$", "--trainer.max_steps=3", w) for w in words]  # LightningCLI
+    if "examples/cli.py" in words:  # LightningCLI writes its logs and its config.yaml here
+        words += [f"--trainer.default_root_dir={folder / 'run'}"]
     if "--steps" in words and "examples/fabric_train.py" in words:
         words[words.index("--steps") + 1] = "3"
     if "--out" in words:
@@ -71,16 +73,19 @@ def shortened(command: str, folder: Path) -> list[str]:
     return words
 
 
-def run(folder: Path, command: str) -> subprocess.CompletedProcess:
+def run(folder: Path, command: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """The run's folder (``run/`` in it: the Hydra app's and LightningCLI's output) and the finished command."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-    return background.run(shortened(command, folder), timeout=900, cwd=ROOT, env=env)
+    return folder, background.run(shortened(command, folder), timeout=900, cwd=ROOT, env=env)
 
 
 documented = background.fixture("documented", run, params=COMMANDS, ids=lambda c: c[:90])
+"""The documented commands' runs. A test that checks more of one of them takes its run, not one of its own:
+``@pytest.mark.parametrize("documented", [command], indirect=True)`` (the command as the docs give it)."""
 
 
 def test_every_documented_command_runs(documented):
-    done = documented
+    _, done = documented
     assert done.returncode == 0, f"{shlex.join(done.args)}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 

@@ -261,6 +261,7 @@ dp_shard=2 passed there too, at the same recovery time; the pool runs it.)"""
 elastic_run = background.fixture(
     "elastic_run",
     elastic_agents,
+    order=0,  # among the first: its agents wait out rendezvous rounds, which overlap the suite's work there
     params=TORCHRUN_LAYOUTS,
     ids=layout_id,
 )
@@ -319,7 +320,7 @@ def restart_after_failure(folder: Path) -> dict[str, Any]:
     return {"code": code, "out": out, "folder": folder, "events": _events(folder)}
 
 
-restart_run = background.fixture("restart_run", restart_after_failure)
+restart_run = background.fixture("restart_run", restart_after_failure, order=0)
 
 
 def test_a_restart_after_a_failure_with_torchruns_shared_store_resumes_on_the_single_process_trajectory(restart_run):
@@ -356,10 +357,11 @@ def test_a_world_too_small_for_the_fixed_sizes_ends_the_job_with_the_reason(too_
     assert too_small_run["code"] != 0
     message = "elastic: a world of 2 ranks cannot keep pp=1 × tp=4 = 4, which must divide the world size"
     # The reason, before any process group exists. (Each rank raises it; torchrun's agent stops the other worker as
-    # soon as one has failed, so under a busy suite the second may be stopped before it prints.)
+    # soon as one has failed, so under a busy suite the second may be stopped before it prints, or even before its
+    # imports are done and it has started at all.)
     assert message in too_small_run["out"], too_small_run["out"][-3000:]
     starts = [e for e in too_small_run["events"] if e["event"] == "script_start"]
-    assert len(starts) == 2
+    assert 1 <= len(starts) <= 2, starts
     # From the ranks' start (their imports done: under a busy test suite, imports alone can take most of a minute)
     # to the job's end: the reason comes at setup, not after a collective's timeout.
     assert too_small_run["ended_at"] - max(e["time"] for e in starts) < TIMEOUT_S + 30

@@ -107,3 +107,16 @@ def test_accelerate_example_reads_the_apps_groups():
     cfg = load_config(["model=hf_llama", "model.pretrained_path=/some/dir"])
     config = par3d_config(cfg, instantiate(cfg.model))
     assert (config.tp_plan, config.init, config.pretrained_path) == ("auto", "pretrained", "/some/dir")
+
+
+def test_an_advice_change_the_report_does_not_weigh_is_refused_before_anything_runs():
+    """``mode=advise 'advise.change="..."'`` names a change the report weighs for the configured layout (the demo,
+    pp=2: its microbatches among them); anything else is refused with that list before a process starts."""
+    from examples.train import advise_and_verify, weighed_changes
+
+    cfg = compose_train(["experiment=demo", "mode=advise", "advise.change=microbatches:3"])
+    weighed = weighed_changes(cfg)
+    assert weighed is not None and "microbatches=2" in weighed
+    with pytest.raises(ValueError, match=r"advise.change='microbatches:3' is not a change .* 'microbatches=2'"):
+        advise_and_verify(cfg)
+    assert weighed_changes(compose_train(["strategy.layout=auto"])) is None  # the layout is chosen at launch

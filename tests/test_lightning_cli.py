@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +16,7 @@ import pytest
 
 from lightning_par3d import Par3DConfig, Par3DFabricStrategy, Par3DStrategy
 from lightning_par3d.accelerate import Par3DAccelerator
-from tests import background
+from tests.test_docs import COMMANDS, documented  # noqa: F401  (the docs' runs, parametrized below)
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = [Par3DStrategy, Par3DFabricStrategy, Par3DAccelerator]
@@ -106,55 +103,24 @@ def test_accelerator_settings_beside_a_parallelism_config():
 
 
 # ---------------------------------------------------------------- LightningCLI as a user runs it
-SMALL_RUN = [
-    "--trainer.devices=2",
-    "--trainer.accelerator=cpu",
-    "--trainer.max_steps=2",
-    "--trainer.limit_val_batches=0",
-    "--trainer.enable_checkpointing=false",
-    "--trainer.logger=false",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-    "--model.n_layer=1",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--data.batch_size=4",
-    "--data.max_bytes=4096",
-]
-CLI_TIMEOUT_S = 600  # a run takes about 20 s on 2 idle cores, 90 s beside other jobs; a hang ends at timeout_s=60
+CLI_COMMANDS = {
+    "command line": "python examples/cli.py fit --trainer.strategy=lightning_par3d.Par3DStrategy "
+    "--trainer.strategy.tp=2 --trainer.devices=2 --trainer.accelerator=cpu --trainer.max_steps=20",
+    "yaml": "python examples/cli.py fit --config conf/cli/par3d_tp2.yaml --trainer.max_steps=20",
+}
+"""The LightningCLI commands the docs show (docs/front-ends.md, the README): their runs are the docs test's
+(``tests/test_docs.py``, 3 steps each, in a folder of their own)."""
 
 
-def run_cli(folder: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
-    """``python examples/cli.py fit *args`` (small) from the repo root, its output folder ``folder``, as a background
-    case (``tests/background.py``: it runs beside the pooled tests, its whole process group killed on a timeout)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    command = [sys.executable, "examples/cli.py", "fit", *args, *SMALL_RUN, f"--trainer.default_root_dir={folder}"]
-    return folder, background.run(command, timeout=CLI_TIMEOUT_S, cwd=ROOT, env=env)
-
-
-STRATEGY_ON_THE_COMMAND_LINE = [
-    "--trainer.strategy=lightning_par3d.Par3DStrategy",
-    "--trainer.strategy.tp=2",
-    "--trainer.strategy.timeout_s=60",
-]
-STRATEGY_IN_A_YAML = ["--config", "conf/cli/par3d_tp2.yaml", "--trainer.strategy.timeout_s=60"]
-cli_command_line = background.fixture("cli_command_line", lambda folder: run_cli(folder, *STRATEGY_ON_THE_COMMAND_LINE))
-cli_yaml = background.fixture("cli_yaml", lambda folder: run_cli(folder, *STRATEGY_IN_A_YAML))
-
-
-def _check_cli_run(folder: Path, out: subprocess.CompletedProcess) -> None:
+@pytest.mark.parametrize("documented", list(CLI_COMMANDS.values()), ids=list(CLI_COMMANDS), indirect=True)
+def test_lightning_cli_trains_at_tp2_as_the_docs_show(documented):  # noqa: F811  (the fixture imported above)
+    """The strategy from the command line, and from a YAML file: both train at tp=2 on 2 ranks, and LightningCLI's
+    record of the run names the strategy's class and its init_args."""
+    assert set(CLI_COMMANDS.values()) <= set(COMMANDS), "the docs no longer show these commands: update CLI_COMMANDS"
+    folder, out = documented
     output = out.stdout + out.stderr
     assert out.returncode == 0, output[-3000:]
     assert LAYOUT_LINE in output, output[-3000:]
-    assert "`max_steps=2` reached" in output
-    saved = (folder / "config.yaml").read_text()  # LightningCLI's record of the run: the strategy's init_args
+    assert "`max_steps=3` reached" in output
+    [saved] = [p.read_text() for p in folder.rglob("config.yaml")]  # LightningCLI's record: the strategy's init_args
     assert "class_path: lightning_par3d.Par3DStrategy" in saved and "tp: 2" in saved
-
-
-def test_lightning_cli_trains_at_tp2_from_the_command_line(cli_command_line):
-    _check_cli_run(*cli_command_line)
-
-
-def test_lightning_cli_trains_at_tp2_from_a_yaml(cli_yaml):
-    _check_cli_run(*cli_yaml)

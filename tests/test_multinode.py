@@ -69,7 +69,7 @@ def slurm_tasks(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
     return folder, wait_all(procs, folder)
 
 
-torchrun_run = background.fixture("torchrun_run", torchrun_agents)
+torchrun_run = background.fixture("torchrun_run", torchrun_agents, order=0)  # early: its rendezvous waits overlap
 slurm_run = background.fixture("slurm_run", slurm_tasks)
 
 

@@ -15,6 +15,10 @@ run itself then starts from what it would have had without measuring: its weight
 dataloader position and Lightning's counters. The candidates' process groups stay (the chosen one's serve the run,
 as a mesh of the same shape is shared); the others are a few idle groups until the end of the job.
 
+What the candidates measured teaches the cost model (:mod:`~lightning_par3d.planning.learn`): a factor per bucket
+that re-predicts the other fitting layouts rank 0 sent beside them; one those factors put ahead of the fastest
+measured (by 5 %) is measured too (:func:`measure_learned`).
+
 A step's time is the slowest rank's: ``accumulate`` forward and backward passes and one optimizer step, the first
 ``warmup`` steps dropped, the median of the rest. A candidate that fails to run (a model whose ``training_step``
 needs a Trainer, say) fails on every rank alike; measuring then stops, rank 0 says why, and the run takes the
@@ -106,13 +110,17 @@ def choose(
                 flush=True,
             )  # fmt: skip
         return candidate_from(config, kept["arguments"], BatchSplit(global_batch, *kept["split"]), 0.0, kept["name"])
-    candidates = choose_at_launch(
+    found = choose_at_launch(
         config, module, world_size=world_size, devices_per_node=devices_per_node, rank_batch=rank_batch,
         seq_len=seq_len, precision=precision, device=device, measure=calibrate, accumulate=accumulate, count=count,
     )  # fmt: skip
+    candidates = [c for c in found if not c.reserve]
     if sample is None or len(candidates) == 1:
         return candidates[0]
     best, times = pick_measured(candidates, sample, precision, device)
+    if times is not None:
+        reserve = [c for c in found if c.reserve]
+        best = measure_learned(candidates, times, best, reserve, sample, precision, device)
     if times is not None and sample.cache is not None and dist.get_rank() == 0:
         _keep(sample.cache, key, candidates, times, best)
     return candidates[best]
@@ -192,6 +200,54 @@ def pick_measured(
     if dist.get_rank() == 0:
         print(describe_measured(candidates, times, best, time.perf_counter() - started), flush=True)
     return best, times
+
+
+def measure_learned(
+    candidates: list[Candidate],
+    times: list[float],
+    best: int,
+    reserve: list[Candidate],
+    sample: MeasureWith,
+    precision: str,
+    device: torch.device,
+) -> int:
+    """What the measured ``candidates`` teach: the factor per bucket that takes their predictions to their measured
+    ``times`` (:func:`~lightning_par3d.planning.learn.worth_measuring`); where those factors put a ``reserve``
+    layout ahead of the fastest measured, it is measured too (appended to ``candidates`` and ``times``). Returns the
+    index of the fastest measured. Rank 0 decides, and prints what it learned."""
+    from lightning_par3d.planning.learn import BUCKETS, relearned, worth_measuring
+
+    decision: list[Any] = [None, ()]
+    if dist.get_rank() == 0:
+        measured = [(c.buckets, t) for c, t in zip(candidates, times, strict=True)]
+        decision[:] = worth_measuring(measured, [c.buckets for c in reserve])
+    dist.broadcast_object_list(decision, src=0, device=device if device.type == "cuda" else None)
+    index, factors = decision
+    if index is None:
+        return best
+    extra = reserve[index]
+    states = _rng_states()
+    try:
+        took = measure_step(extra, sample, precision, device)
+    except Exception as error:  # the run goes on with the fastest measured; rank 0 says why
+        if dist.get_rank() == 0:
+            print(f"par3d layout='auto': measuring {extra.name} failed ({type(error).__name__}: {error}).", flush=True)
+        return best
+    finally:
+        _restore_rng(states)
+    candidates.append(extra)
+    times.append(took)
+    fastest = min(range(len(times)), key=times.__getitem__)
+    if dist.get_rank() == 0:
+        learned = ", ".join(f"{name} ×{f:.2f}" for name, f in zip(BUCKETS, factors, strict=True))
+        print(
+            f"par3d layout='auto': the measured steps put the cost model's buckets at {learned} of its prediction; "
+            f"with them {extra.name} (predicted {extra.predicted_s * 1e3:,.1f} ms) comes to "
+            f"{relearned(extra.buckets, factors) * 1e3:,.1f} ms, so it was measured too: {took * 1e3:,.1f} ms; "
+            f"training {candidates[fastest].name}.",
+            flush=True,
+        )
+    return fastest
 
 
 def describe_measured(candidates: list[Candidate], times: list[float], best: int, cost_s: float) -> str:

@@ -123,8 +123,7 @@ class Processes:
         """This job's machine figures (:class:`~lightning_par3d.planning.machine.Machine`), measured by every rank at
         once over the job's own process group (every rank must call it): what the planner predicts with at launch
         (``layout="auto"``) and the bottleneck report's advice at the end of fit."""
-        every_rank = list(range(dist.get_world_size()))
-        return calibrate_job(self.device, groups.group_of(every_rank, self._backend, self.config.timeout_s))
+        return calibrate_job(self.device, lambda ranks: groups.group_of(ranks, self._backend, self.config.timeout_s))
 
     def _take_mesh(self) -> None:
         if dist.get_world_size() != self.layout.world_size:

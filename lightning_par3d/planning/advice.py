@@ -15,7 +15,9 @@ A change is predicted in three moves:
    misses on this machine, for this model (the per-op costs of DTensor, the gloo transport, ...). The pipeline's
    waiting is the stages' compute seen from another rank, so it takes the compute's correction; what the run
    measured in the pipeline bucket beyond that is a cost of each schedule action (torch's per-action work, the
-   send/recv calls around it), spread over the rank's actions;
+   send/recv calls around it), spread over the rank's actions. (This is the run's own figure for what the
+   calibration's ``pipeline_action_s`` estimates from a do-nothing pipeline, so the advice predicts without the
+   latter: counting both would count the actions twice);
 3. the change is predicted with the same model, each bucket times its correction, plus that cost per action of its
    schedule, the rest (dataloader, loop) as measured; the slowest pipeline rank's sum is the step, scaled so that
    the current layout's comes out as measured.
@@ -35,11 +37,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.planning.cost import BUCKETS
+from lightning_par3d.planning.machine import Machine
 
 MIN_GAIN = 0.05
 """The least predicted gain (a share of the step) that a suggestion needs, whatever the measured noise."""
-BUCKETS = ("compute", "tp_comm", "dp_comm", "bubble")
-"""The cost model's buckets, in :class:`~lightning_par3d.planning.cost.StepTime`'s order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +251,8 @@ def advise(
     layout = resolve_layout(config, world_size)
     assert layout is not None
     changes = candidate_changes(config, layout, rank_batch, num_workers)
+    if isinstance(machine, Machine):  # the run measured its own cost per action (see the module docstring)
+        machine = dataclasses.replace(machine, pipeline_action_s=0.0)
     rows = evaluate(
         module, configs_of(config, layout, changes), world_size, devices_per_node, device_memory,
         rank_batch=rank_batch, seq_len=seq_len, precision=precision, machine=machine, loss_fn=loss_fn,

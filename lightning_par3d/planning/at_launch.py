@@ -32,6 +32,9 @@ from lightning_par3d.planning.machine import Machine, format_bytes, machine_prof
 
 SHOWN = 5
 """Fitting layouts printed at launch (the whole table is ``lightning_par3d.plan``'s)."""
+RESERVE = 12
+"""Fitting layouts beyond those measured that rank 0 sends with them, fastest predicted first: what the factors
+learned from the measured ones may re-rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,11 @@ class Candidate:
     split: BatchSplit
     predicted_s: float
     name: str
+    buckets: tuple[float, ...] = ()
+    """The predicted step's buckets (:func:`~lightning_par3d.planning.learn.buckets_of`)."""
+    reserve: bool = False
+    """Not one of those to measure: a layout measured only where the measured ones show the model wrong about it
+    (:func:`~lightning_par3d.planning.learn.worth_measuring`)."""
 
 
 MEASURED_BY_DEFAULT = 3
@@ -185,7 +193,8 @@ def choose_at_launch(
 ) -> list[Candidate]:
     """The configurations to train with, fastest predicted first: ``config`` with each of the ``count`` layouts the
     planner found fastest (see the module docstring; fewer where fewer fit, unless ``config.measure`` asked for
-    more: an error), and how each takes the global batch (:func:`global_batch_of`, from the loader's
+    more: an error), then, where ``count`` > 1, up to :data:`RESERVE` other fitting layouts (``reserve``), and how
+    each takes the global batch (:func:`global_batch_of`, from the loader's
     ``rank_batch``). ``accumulate``: the Trainer's ``accumulate_grad_batches``, which the chosen layout may change
     (None: a front-end whose loop accumulates as the user writes it; the layout then takes the global batch as one
     batch per data-parallel rank). Every rank calls it; ``module`` (the LightningModule before
@@ -205,13 +214,19 @@ def choose_at_launch(
     if outcome == "error":
         raise ValueError(value)
     return [
-        candidate_from(config, arguments, BatchSplit(batch, *split), predicted, name)
-        for arguments, split, predicted, name in value
+        candidate_from(config, arguments, BatchSplit(batch, *split), predicted, name, buckets, reserve)
+        for arguments, split, predicted, name, buckets, reserve in value
     ]
 
 
 def candidate_from(
-    config: Par3DConfig, arguments: dict[str, Any], split: BatchSplit, predicted_s: float, name: str
+    config: Par3DConfig,
+    arguments: dict[str, Any],
+    split: BatchSplit,
+    predicted_s: float,
+    name: str,
+    buckets: tuple[float, ...] = (),
+    reserve: bool = False,
 ) -> Candidate:
     """``config`` with the layout ``arguments`` (:meth:`PlanRow.strategy_arguments
     <lightning_par3d.planning.table.PlanRow.strategy_arguments>`) in place of ``layout="auto"``."""
@@ -219,7 +234,7 @@ def candidate_from(
         layout=None, plan_machine=None, plan_device_memory=None, plan_batch=None, global_batch=None, dp=None,
         measure=None,
     )  # fmt: skip
-    return Candidate(dataclasses.replace(config, **cleared, **arguments), split, predicted_s, name)
+    return Candidate(dataclasses.replace(config, **cleared, **arguments), split, predicted_s, name, buckets, reserve)
 
 
 def layout_arguments(config: Par3DConfig) -> dict[str, Any]:
@@ -242,8 +257,9 @@ def _plan_on_rank_zero(
     machine: Machine | str,
     count: int,
 ) -> tuple[str, Any]:
-    """``("ok", [(sizes and settings, (samples per data-parallel rank, accumulated batches), predicted step, name)
-    for each of the ``count`` fastest])`` or ``("error", the message)``, after printing the choice. ``batch``: the
+    """``("ok", [(sizes and settings, (samples per data-parallel rank, accumulated batches), predicted step, name,
+    its buckets, reserve) for each of the ``count`` to measure, then the reserve])`` or ``("error", the message)``,
+    after printing the choice. ``batch``: the
     global batch, and whether a layout may accumulate it."""
     from lightning_par3d.planning.planner import plan
     from lightning_par3d.utils.fresh_interpreter import call
@@ -274,11 +290,16 @@ def _plan_on_rank_zero(
             f"{len(fitting)} or fewer (0: train the predicted fastest without measuring)."
         )
     print(describe_choice(table), flush=True)
+    from lightning_par3d.planning.learn import buckets_of
+
+    measured = table.to_measure(max(count, 1))
+    reserve = [row for row in fitting if all(row is not m for m in measured)][:RESERVE] if count > 1 else []
     chosen = []
-    for row in table.to_measure(max(count, 1)):
+    for index, row in enumerate(measured + reserve):
         assert row.rank_batch is not None and row.time is not None
         split = (row.rank_batch, row.accumulate)
-        chosen.append((row.strategy_arguments(), split, row.time.total, row.describe()))
+        entry = (row.strategy_arguments(), split, row.time.total, row.describe(), buckets_of(row.time))
+        chosen.append((*entry, index >= len(measured)))
     return "ok", chosen
 
 

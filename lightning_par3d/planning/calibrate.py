@@ -14,7 +14,11 @@ with one GPU each) and each, at the same time as the others (so that processes s
   least squares, relative to each time, to the ring formulas of :mod:`~lightning_par3d.planning.cost` for a latency
   α per step and a bandwidth β; and reduce-scatters of the same sizes, whose median time over the fitted
   all-gather's is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo, which runs it as more than a
-  ring pass).
+  ring pass);
+* **a pipeline action's own cost**: torch's ``Schedule1F1B`` over pairs of ranks (the whole world where it is odd),
+  each stage a tiny ``Linear``, :data:`PIPELINE_MICROBATCHES` microbatches; the machine's ``pipeline_action_s`` is
+  the cost per action that makes the planner's own simulation of that schedule (:mod:`~lightning_par3d.planning.
+  schedule`, the stage's ops and the hops priced as the cost model prices them) last as long as the measured step.
 
 On one machine nothing crosses a network, so the link across nodes is the one within (give ``inter_node=`` for a
 real network). It takes a few seconds beyond starting the processes (each imports torch).
@@ -31,6 +35,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +46,10 @@ from lightning_par3d.planning.machine import Link, Machine
 
 COLLECTIVE_SIZES = (4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20)
 """Bytes per collective measured (the whole tensor: the reduced one, or the gathered output)."""
+PIPELINE_MICROBATCHES = 8
+"""Microbatches of the do-nothing pipeline whose step prices a schedule action."""
+_PIPELINE_WIDTH = 8
+"""Features of the do-nothing pipeline's ``Linear`` stages (one sample per microbatch)."""
 
 
 def calibrate(
@@ -82,36 +91,64 @@ def calibrate(
     return _machine(measured, n, backend, f"calibrated ({n} {backend} processes, {cores} cores)", inter_node)
 
 
-def calibrate_job(device: torch.device, group: Any, *, seconds: float = 0.3, inter_node: Link | None = None) -> Machine:
+def calibrate_job(
+    device: torch.device, groups: Callable[[list[int]], Any], *, seconds: float = 0.3, inter_node: Link | None = None
+) -> Machine:
     """The figures of the job this process is a rank of, measured by all its ranks at once over its default process
-    group (every rank must call it at the same point); ``group`` is a process group of every rank, for the DTensor
-    figure. The link measured is the world's: across nodes too, where the job spans several (``inter_node`` sets the
-    network's apart)."""
+    group (every rank must call it at the same point); ``groups(ranks)`` is the job's process group of those global
+    ranks (its cache: :func:`lightning_par3d.distributed.groups.group_of`), for the DTensor figure (every rank) and
+    the pipeline's (pairs). The link measured is the world's: across nodes too, where the job spans several
+    (``inter_node`` sets the network's apart)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     started = time.perf_counter()
     n = dist.get_world_size()
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = DeviceMesh.from_group(groups(list(range(n))), device.type)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        measured = _measure(n, device, seconds, mesh)
+        measured = _measure(n, device, seconds, mesh, groups)
     measured["calibration_s"] = time.perf_counter() - started
     backend = str(dist.get_backend())
     name = f"measured at launch ({n} {backend} ranks, {os.cpu_count() or 1} cores per node)"
-    return _machine(measured, n, backend, name, inter_node)
+    return _machine(measured, n, backend, name, inter_node, lambda *fit: _fit_on_rank_zero(device, *fit))
 
 
-def _machine(measured: dict[str, Any], n: int, backend: str, name: str, inter_node: Link | None) -> Machine:
+def _fit_on_rank_zero(device: torch.device, *fit: Any) -> float:
+    """:func:`pipeline_action_seconds` of ``fit``, computed by rank 0 in a fresh interpreter (it simulates torch's
+    schedule over torch's fake process group, which cannot live beside the job's) and sent to every rank."""
+    from lightning_par3d.utils.fresh_interpreter import call
+
+    found = [0.0]
+    if dist.get_rank() == 0:
+        found[0] = call(pipeline_action_seconds, *fit, what="the calibration's pipeline fit", timeout_s=300.0)
+    dist.broadcast_object_list(found, src=0, device=device if device.type == "cuda" else None)
+    return float(found[0])
+
+
+def _machine(
+    measured: dict[str, Any],
+    n: int,
+    backend: str,
+    name: str,
+    inter_node: Link | None,
+    fit_action: Callable[..., float] | None = None,
+) -> Machine:
+    """The machine of the figures ``measured``; ``fit_action`` computes :func:`pipeline_action_seconds` (where this
+    process has no process group, that function itself)."""
     link = _fit_link(measured["collectives"], n)
     link = dataclasses.replace(link, reduce_scatter_factor=reduce_scatter_factor(measured["collectives"], n, link))
     gpu = backend == "nccl"
-    figures = {k: v for k, v in measured.items() if k != "collectives"}
+    pp, step_s = measured["pipeline"]
+    fit = fit_action or pipeline_action_seconds
+    action_s = fit(step_s, pp, link, measured["op_s"], measured["pipeline_stage_ops"])
+    figures = {k: v for k, v in measured.items() if k not in ("collectives", "pipeline")}
     return Machine(
         name=name,
         matmul_flops={"fp32": measured["fp32_flops"], "bf16": measured["bf16_flops"], "fp16": measured["bf16_flops"]},
         op_overhead_s=measured["op_s"],
         dtensor_op_overhead_s=measured["dtensor_op_s"],
         memory_bandwidth=measured["memory_bandwidth"],
+        pipeline_action_s=action_s,
         intra_node=link,
         inter_node=inter_node or link,
         async_kernels=gpu,
@@ -122,6 +159,8 @@ def _machine(measured: dict[str, Any], n: int, backend: str, name: str, inter_no
             "alpha_s": link.latency_s,
             "beta_bytes_per_s": link.bandwidth,
             "reduce_scatter_factor": link.reduce_scatter_factor,
+            "pipeline_step_s": step_s,
+            "pipeline_action_s": action_s,
         },
     )
 
@@ -133,6 +172,29 @@ def reduce_scatter_factor(samples: list[tuple[str, float, float]], n: int, link:
 
     ratios = [seconds / all_gather(size, n, link) for kind, size, seconds in samples if kind == "reduce_scatter"]
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
+def pipeline_action_seconds(step_s: float, pp: int, link: Link, op_s: float, stage_ops: float) -> float:
+    """The cost per action that makes the planner's simulation of the calibration's pipeline (``Schedule1F1B``,
+    ``pp`` stages, :data:`PIPELINE_MICROBATCHES` microbatches, ``stage_ops`` ops per action at ``op_s``, each hop
+    priced by the cost model over ``link``) last ``step_s`` (0 where the simulation alone lasts that long)."""
+    from lightning_par3d.pipeline.actions import pipeline_actions
+    from lightning_par3d.planning.cost import COLLECTIVE_CPU_OPS, send
+    from lightning_par3d.planning.schedule import simulate
+
+    actions = pipeline_actions("1f1b", pp, 1, PIPELINE_MICROBATCHES)
+    hop = send(_PIPELINE_WIDTH * 4, link) + COLLECTIVE_CPU_OPS * op_s
+
+    def makespan(action_s: float) -> float:
+        return max(simulate(actions, lambda _: stage_ops * op_s + action_s, lambda _s, _t: hop).end.values())
+
+    low, high = 0.0, step_s
+    if makespan(low) >= step_s:
+        return 0.0
+    for _ in range(60):  # the makespan grows with the action's cost: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if makespan(middle) < step_s else (low, middle)
+    return (low + high) / 2
 
 
 def _free_port() -> int:
@@ -173,7 +235,7 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        figures = _measure(n, device, seconds, init_device_mesh(device.type, (n,)))
+        figures = _measure(n, device, seconds, init_device_mesh(device.type, (n,)), lambda ranks: dist.new_group(ranks))
         if rank == 0:
             results.put(figures)
         dist.barrier()
@@ -184,9 +246,9 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
     os._exit(0)
 
 
-def _measure(n: int, device: torch.device, seconds: float, mesh: Any) -> dict[str, Any]:
+def _measure(n: int, device: torch.device, seconds: float, mesh: Any, groups: Any) -> dict[str, Any]:
     """Every figure of the module docstring, the slowest rank's, on every rank (each rank of the ``n`` must call it
-    at once; ``mesh`` is a 1-D mesh of them all)."""
+    at once; ``mesh`` is a 1-D mesh of them all, ``groups(ranks)`` the process group of some of them)."""
     start = time.perf_counter()
     figures: dict[str, Any] = {
         "fp32_flops": _slowest(_matmul_flops(torch.float32, device, seconds), device, minimum=True),
@@ -199,6 +261,9 @@ def _measure(n: int, device: torch.device, seconds: float, mesh: Any) -> dict[st
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         for size in COLLECTIVE_SIZES:
             collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
+    pp, step_s, stage_ops = _pipeline_step(n, device, groups)
+    figures["pipeline"] = (pp, _slowest(step_s, device))
+    figures["pipeline_stage_ops"] = stage_ops
     figures["measuring_s"] = time.perf_counter() - start
     figures["collectives"] = collectives
     return figures
@@ -268,6 +333,48 @@ def _memory_bandwidth(device: torch.device, seconds: float) -> float:
     target = torch.empty_like(source)
     calls, elapsed = _timed(lambda: target.copy_(source), seconds, device)
     return 2 * source.numel() * 4 * calls / elapsed
+
+
+def _pipeline_step(n: int, device: torch.device, groups: Any, steps: int = 5) -> tuple[int, float, float]:
+    """(stages, median seconds per step, ops per action) of ``Schedule1F1B`` over pairs of ranks (the whole world
+    where ``n`` is odd), each stage a ``Linear`` of :data:`_PIPELINE_WIDTH` features, one sample per microbatch."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from lightning_par3d.planning.probe import count_ops
+
+    pp = 2 if n % 2 == 0 else n
+    rank = dist.get_rank()
+    group, index = None, 0
+    for first in range(0, n, pp):  # every rank makes every group, in the same order
+        ranks = list(range(first, first + pp))
+        made = groups(ranks)
+        if rank in ranks:
+            group, index = made, ranks.index(rank)
+    module = nn.Linear(_PIPELINE_WIDTH, _PIPELINE_WIDTH).to(device)
+    stage = PipelineStage(module, index, pp, device, group=group)
+    schedule = Schedule1F1B(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda out, _target: out.sum())
+    x = torch.randn(PIPELINE_MICROBATCHES, _PIPELINE_WIDTH, device=device)
+    _, ops = count_ops(lambda: module(x[:1]).sum().backward())
+
+    def step() -> None:
+        if index == 0:
+            schedule.step(x)
+        elif index == pp - 1:
+            schedule.step(target=x)
+        else:
+            schedule.step()
+
+    step()  # the first step infers the stages' shapes
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return pp, statistics.median(times), ops / 2
 
 
 def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repeats: int = 5) -> float:

@@ -59,8 +59,9 @@ Where the machine overlaps communication with compute (NCCL's streams), only ``m
 collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
 
 **Pipeline**: every rank runs torch's own action order (:mod:`lightning_par3d.planning.schedule`) with each
-``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, and each
-hop between ranks ``send(stage output at b samples)``. The simulation gives when each rank's last action ends.
+``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, every action
+plus the machine's measured ``pipeline_action_s`` (the schedule's own bookkeeping), and each hop between ranks
+``send(stage output at b samples)``. The simulation gives when each rank's last action ends.
 
 **Optimizer**: ``E`` trained elements stepped on the rank (``P``, or ``P/N`` under ZeRO ≥ 1) read and written once:
 ``E·(2p + g + 2·s·K)/memory_bandwidth + 10·tensors·o`` (``K`` state tensors per element, Adam's 2 of ``s`` = 4 bytes),
@@ -97,6 +98,10 @@ INPUT_GRAD_SHARE = 0.5
 """Share of a backward that computes the input gradient (``I``) in the zero-bubble schedules; the weight
 gradient (``W``) is the rest (a linear layer's two gradient matmuls cost the same)."""
 OPTIMIZER_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+BUCKETS = ("compute", "tp_comm", "dp_comm", "bubble")
+"""A predicted step's buckets, in :class:`StepTime`'s order."""
 
 
 @dataclass(frozen=True)
@@ -357,7 +362,7 @@ def predict_step(
 
         def duration(action: object) -> float:
             c, (f, b) = costs[action.stage], shares[action.kind]  # type: ignore[attr-defined]
-            return f * c.forward + b * c.backward
+            return f * c.forward + b * c.backward + machine.pipeline_action_s
 
         owner = {a.stage: r for r, acts in actions.items() for a in acts}
 

@@ -86,6 +86,11 @@ class Machine:
     """Bytes per second one device streams (the optimizer step reads and writes every state element)."""
     intra_node: Link
     inter_node: Link
+    pipeline_action_s: float = 0.0
+    """Seconds a pipeline schedule spends per action (a stage's forward or backward of one microbatch) beyond the
+    stage's own ops and its transfers: torch's schedule bookkeeping, the point-to-point ops' setup and waits. A
+    calibration measures it (a do-nothing pipeline over pairs of ranks); 0 on the profiles, where it overlaps the
+    GPU's work."""
     async_kernels: bool = True
     """True on GPUs: the CPU's per-op work overlaps the device's arithmetic, so compute costs the larger of the two
     (False on CPUs: they add)."""
@@ -120,6 +125,7 @@ class Machine:
                 if self.intra_node.reduce_scatter_factor != 1.0
                 else ""
             )
+            + (f"; {self.pipeline_action_s * 1e3:.2g} ms per pipeline action" if self.pipeline_action_s else "")
         )
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lightning_par3d.planning.cost import BUCKETS
+
 if TYPE_CHECKING:
     from lightning_par3d.planning.table import PlanTable
 
-BUCKETS = ("compute", "tp_comm", "dp_comm", "bubble")
 BUCKET_LABELS = ("compute", "tensor-parallel comm", "data-parallel comm", "pipeline bubble")
 COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
 
