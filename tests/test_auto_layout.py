@@ -160,6 +160,27 @@ def test_the_steps_measured_teach_the_model_which_other_layout_to_measure(pool2)
     assert "so it was measured too" in got["printed"] and results[1]["printed"] == ""
 
 
+def _calibrate_with_a_failing_fit() -> float:
+    """``calibrate_job`` where rank 0's fresh interpreter fails: every rank gets a machine (no wait on rank 0)."""
+    from unittest import mock
+
+    from lightning_par3d.distributed.groups import group_of, init_default_group
+    from lightning_par3d.planning.calibrate import calibrate_job
+
+    device = torch.device("cpu")
+    init_default_group(device, 120.0)
+    with mock.patch("lightning_par3d.utils.fresh_interpreter.call", side_effect=RuntimeError("no interpreter")):
+        machine = calibrate_job(device, lambda ranks: group_of(ranks, "gloo", 120.0), seconds=0.02)
+    return machine.pipeline_action_s
+
+
+def test_a_calibration_whose_pipeline_fit_fails_goes_on_without_it(pool2):
+    """Rank 0 fits the cost per pipeline action in a fresh interpreter; where that fails, every rank takes 0 (the
+    model without it) and rank 0 says why, instead of the other ranks waiting out the collective timeout."""
+    assert pool2.run(_calibrate_with_a_failing_fit, timeout=120) == [0.0, 0.0]
+    assert "par3d calibration: no cost per pipeline action (RuntimeError: no interpreter)" in pool2.log_tail(0)
+
+
 # ---------------------------------------------------------------- before any process
 
 

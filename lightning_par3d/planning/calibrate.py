@@ -115,12 +115,16 @@ def calibrate_job(
 
 def _fit_on_rank_zero(device: torch.device, *fit: Any) -> float:
     """:func:`pipeline_action_seconds` of ``fit``, computed by rank 0 in a fresh interpreter (it simulates torch's
-    schedule over torch's fake process group, which cannot live beside the job's) and sent to every rank."""
+    schedule over torch's fake process group, which cannot live beside the job's) and sent to every rank. Where it
+    fails, rank 0 says why and every rank takes 0 (no cost per action: the model as it was), never waiting on it."""
     from lightning_par3d.utils.fresh_interpreter import call
 
     found = [0.0]
     if dist.get_rank() == 0:
-        found[0] = call(pipeline_action_seconds, *fit, what="the calibration's pipeline fit", timeout_s=300.0)
+        try:
+            found[0] = call(pipeline_action_seconds, *fit, what="the calibration's pipeline fit", timeout_s=300.0)
+        except Exception as error:  # sent as a value: the other ranks are waiting in the broadcast below
+            print(f"par3d calibration: no cost per pipeline action ({type(error).__name__}: {error}).", flush=True)
     dist.broadcast_object_list(found, src=0, device=device if device.type == "cuda" else None)
     return float(found[0])
 
