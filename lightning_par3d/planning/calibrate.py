@@ -369,16 +369,21 @@ def _pipeline_step(n: int, device: torch.device, groups: Any, steps: int = 5) ->
         else:
             schedule.step()
 
-    step()  # the first step infers the stages' shapes
+    return pp, _median_seconds(step, steps, device), ops / 2  # the first, untimed, infers the stages' shapes
+
+
+def _median_seconds(run: Any, repeats: int, device: torch.device) -> float:
+    """The median time of ``run()`` over ``repeats`` calls after one untimed, every rank starting each at once."""
+    run()
     times = []
-    for _ in range(steps):
+    for _ in range(repeats):
         _sync(device)
         dist.barrier()
         start = time.perf_counter()
-        step()
+        run()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return pp, statistics.median(times), ops / 2
+    return statistics.median(times)
 
 
 def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repeats: int = 5) -> float:
@@ -403,13 +408,4 @@ def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repe
         def run() -> None:
             dist.all_gather(parts, chunk)
 
-    run()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_seconds(run, repeats, device)
