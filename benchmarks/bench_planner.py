@@ -180,7 +180,8 @@ def machine_from(record: Any) -> Any:
         return record
     links = {k: Link(**record[k]) for k in ("intra_node", "inter_node")}
     fields = {f.name for f in dataclasses.fields(Machine)}
-    return Machine(**{**{k: v for k, v in record.items() if k in fields}, **links})
+    kept = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in fields}  # JSON's lists
+    return Machine(**{**kept, **links})
 
 
 def config_record(config: Any) -> dict[str, Any]:

@@ -70,6 +70,20 @@ def test_predictions_follow_the_measurement_and_stay_silent_within_the_noise():
     assert not any(a.suggested for a in noisy.values())
 
 
+def test_the_zero_bubble_split_keeps_the_calibrations_figure():
+    """The split of each backward into ``I`` and ``W`` is Python walking the graph, priced by the calibration: a run
+    whose ops took 3× the model's takes 3× for them and the split as measured, both ways (learning and
+    predicting)."""
+    from lightning_par3d.planning.advice import corrected_step, corrections
+    from lightning_par3d.planning.cost import StepTime
+
+    zbv = StepTime(1.0, 0.0, 0.0, 0.0, 0, ((1.0, 0.0, 0.0, 0.0),), (24,), (0.4,))  # 0.4 s of its 1.0 the split
+    measured = Measured(2.2, 0.6 * 3 + 0.4, 0.0, 0.0, 0.0, other=0.0, dataloader=0.0, noise=0.0)
+    factors = corrections(measured, zbv)
+    assert factors["compute"] == pytest.approx(3.0)
+    assert corrected_step(zbv, factors, other=0.0) == pytest.approx(2.2)
+
+
 def test_every_change_weighed_is_a_valid_layout():
     """The changes weighed at the demo's layout and at a wider one each resolve (HSDP only where dp_shard leaves at
     least 2 ranks to shard over)."""

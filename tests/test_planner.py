@@ -299,6 +299,45 @@ def test_each_pipeline_action_costs_what_the_calibration_measured():
     assert pipeline_action_seconds(1e-6, 2, link, op_s, 3) == 0.0  # faster than its hops: no cost to find
 
 
+def test_the_zero_bubble_split_costs_what_the_calibration_measured():
+    """zbv at pp=2 (two stages per rank), m=4: each of a rank's 8 ``I`` actions carries the split's work, its stage's
+    backward ops at ``split_backward_op_s``; a schedule that does not split the backward pays none of it."""
+    work = StageWork(0, 1e6, 2e6, 0, 10, (), (), (), (), 0.0, 4)
+    params = StageParams(0, (), (0,), 0)
+    plain, splitting = _uniform_machine(), _uniform_machine(split_backward_op_s=1e-4)
+    for schedule, stages, extra in (("zbv_zero_bubble", 4, 8 * 10 * 1e-4), ("1f1b", 2, 0.0)):
+        config = Par3DConfig(pp=2, microbatches=4, dp_shard=1, pipeline_schedule=schedule, virtual_stages=stages // 2)
+        layout = resolve_layout(config, 2)
+        free, costly = (predict_step(config, layout, [work] * stages, [params] * stages, 4, m, 2)
+                        for m in (plain, splitting))  # fmt: skip
+        assert costly.compute - free.compute == pytest.approx(extra)
+        assert costly.total >= free.total + extra - 1e-12
+
+
+def test_each_tensor_parallel_module_costs_what_the_calibration_measured():
+    """Three planned modules (one with two collectives): each adds the machine's measured (forward, backward) cost of
+    a tensor-parallel module to the compute, once per module and microbatch; a profile's machine counts DTensor ops
+    instead."""
+    from lightning_par3d.planning.cost import DTENSOR_OPS_PER_TP_MODULE, stage_cost
+    from lightning_par3d.planning.probe import TPCollective
+
+    collectives = tuple(
+        TPCollective(module, "colwise", phase, "all_reduce", 0.0, None)
+        for module, phase in (("q", "backward"), ("k", "backward"), ("o", "forward"), ("o", "backward"))
+    )
+    work = StageWork(0, 0.0, 0.0, 0, 0, (), (), (), collectives, 0.0, 4)
+    layout = resolve_layout(Par3DConfig(tp=2, dp_shard=1), 2)
+    free = Link(0.0, 1e30)
+
+    def glue(machine: Machine) -> tuple[float, float]:  # compute, as a profile of the run finds it
+        cost = stage_cost(work, Par3DConfig(), layout, 1, machine, "32-true", free)
+        return cost.forward_compute, cost.backward_compute
+
+    assert glue(_uniform_machine(tp_module_s=(1e-3, 3e-3))) == pytest.approx((3e-3, 9e-3))
+    profile = dataclasses.replace(_uniform_machine(), dtensor_op_overhead_s=1e-4)
+    assert glue(profile) == pytest.approx((3 * DTENSOR_OPS_PER_TP_MODULE * 1e-4,) * 2)
+
+
 def test_factors_learned_from_measured_layouts_find_the_layout_worth_measuring():
     """Three layouts measured where data-parallel communication costs twice its prediction: the planner's first
     choice (much of it data-parallel) measures slowest, one of pure compute fastest. The learned factors reproduce
@@ -364,7 +403,8 @@ def test_profiles_name_their_sources():
 
 
 def test_calibration_fit_recovers_latency_and_bandwidth():
-    from lightning_par3d.planning.calibrate import COLLECTIVE_SIZES, _fit_link
+    from lightning_par3d.planning.calibrate import _fit_link
+    from lightning_par3d.planning.timings import COLLECTIVE_SIZES
 
     truth = Link(5e-5, 2e9)
     samples = [(k, float(s), f(s, 4, truth)) for k, f in (("all_reduce", all_reduce), ("all_gather", all_gather))
@@ -402,6 +442,9 @@ def test_calibrate_measures_this_machine():
     assert machine.intra_node.bandwidth > 1e6 and math.isfinite(machine.intra_node.latency_s)
     assert machine.measurements["measuring_s"] < 30
     assert machine.intra_node.reduce_scatter_factor >= 1.0
+    assert 0 < machine.split_backward_op_s < 1e-2  # torch's split walks the graph in Python: never free on a CPU
+    forward, backward = machine.tp_module_s  # DTensor's dispatch and autograd functions: never free either
+    assert 0 < forward < 0.1 and 0 < backward < 0.1
 
 
 # ---------------------------------------------------------------- the command line

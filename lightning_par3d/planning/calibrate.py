@@ -2,23 +2,18 @@
 Machine` whose figures are this machine's, measured by ``world_size`` processes at once, as a run's ranks share it.
 
 ``torch.multiprocessing`` spawns the processes; they join one process group over ``backend`` (gloo on CPUs, NCCL
-with one GPU each) and each, at the same time as the others (so that processes sharing cores measure their share):
+with one GPU each) and each times, at the same time as the others, what :mod:`~lightning_par3d.planning.timings`
+lists. This module turns the timings into the machine's figures:
 
-* **matmul throughput**: square matmuls (``2n³`` FLOPs each) in fp32 and bf16 for about ``seconds`` each; the
-  slowest rank's FLOP/s;
-* **time per op**: a small MLP's forward and backward, whose arithmetic is negligible, divided by its aten op count
-  (counted as the planner's probe counts them, so the two agree); and an in-place op on a small DTensor sharded over
-  the processes (no communication: its own dispatch only);
-* **memory bandwidth**: copies of a 16 MiB tensor (each reads and writes it);
-* **collectives**: all-reduce and all-gather of 4 KiB to 4 MiB (the median of a few, the slowest rank's), fitted by
-  least squares, relative to each time, to the ring formulas of :mod:`~lightning_par3d.planning.cost` for a latency
-  α per step and a bandwidth β; and reduce-scatters of the same sizes, whose median time over the fitted
-  all-gather's is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo, which runs it as more than a
-  ring pass);
-* **a pipeline action's own cost**: torch's ``Schedule1F1B`` over pairs of ranks (the whole world where it is odd),
-  each stage a tiny ``Linear``, :data:`PIPELINE_MICROBATCHES` microbatches; the machine's ``pipeline_action_s`` is
-  the cost per action that makes the planner's own simulation of that schedule (:mod:`~lightning_par3d.planning.
-  schedule`, the stage's ops and the hops priced as the cost model prices them) last as long as the measured step.
+* the collectives' times are fitted by least squares, relative to each time, to the ring formulas of
+  :mod:`~lightning_par3d.planning.cost` for a latency α per step and a bandwidth β; the reduce-scatters' median time
+  over the fitted all-gather's of their size is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo,
+  which runs it as more than a ring pass);
+* the pipeline step gives the machine's ``pipeline_action_s``: the cost per action that makes the planner's own
+  simulation of that schedule (:mod:`~lightning_par3d.planning.schedule`, the stage's ops and the hops priced as the
+  cost model prices them) last as long as the measured step;
+* the rest are the machine's figures as measured (matmul FLOP/s, time per op and per DTensor op, a tensor-parallel
+  module's own cost, the zero-bubble split's, memory bandwidth).
 
 On one machine nothing crosses a network, so the link across nodes is the one within (give ``inter_node=`` for a
 real network). It takes a few seconds beyond starting the processes (each imports torch).
@@ -43,13 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_par3d.planning.machine import Link, Machine
-
-COLLECTIVE_SIZES = (4 * 2**10, 64 * 2**10, 1 * 2**20, 4 * 2**20)
-"""Bytes per collective measured (the whole tensor: the reduced one, or the gathered output)."""
-PIPELINE_MICROBATCHES = 8
-"""Microbatches of the do-nothing pipeline whose step prices a schedule action."""
-_PIPELINE_WIDTH = 8
-"""Features of the do-nothing pipeline's ``Linear`` stages (one sample per microbatch)."""
+from lightning_par3d.planning.timings import PIPELINE_MICROBATCHES, PIPELINE_WIDTH, measure
 
 
 def calibrate(
@@ -106,7 +95,7 @@ def calibrate_job(
     mesh = DeviceMesh.from_group(groups(list(range(n))), device.type)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        measured = _measure(n, device, seconds, mesh, groups)
+        measured = measure(n, device, seconds, mesh, groups)
     measured["calibration_s"] = time.perf_counter() - started
     backend = str(dist.get_backend())
     name = f"measured at launch ({n} {backend} ranks, {os.cpu_count() or 1} cores per node)"
@@ -151,6 +140,8 @@ def _machine(
         matmul_flops={"fp32": measured["fp32_flops"], "bf16": measured["bf16_flops"], "fp16": measured["bf16_flops"]},
         op_overhead_s=measured["op_s"],
         dtensor_op_overhead_s=measured["dtensor_op_s"],
+        split_backward_op_s=measured["split_backward_op_s"],
+        tp_module_s=(measured["tp_module_forward_s"], measured["tp_module_backward_s"]),
         memory_bandwidth=measured["memory_bandwidth"],
         pipeline_action_s=action_s,
         intra_node=link,
@@ -187,7 +178,7 @@ def pipeline_action_seconds(step_s: float, pp: int, link: Link, op_s: float, sta
     from lightning_par3d.planning.schedule import simulate
 
     actions = pipeline_actions("1f1b", pp, 1, PIPELINE_MICROBATCHES)
-    hop = send(_PIPELINE_WIDTH * 4, link) + COLLECTIVE_CPU_OPS * op_s
+    hop = send(PIPELINE_WIDTH * 4, link) + COLLECTIVE_CPU_OPS * op_s
 
     def makespan(action_s: float) -> float:
         return max(simulate(actions, lambda _: stage_ops * op_s + action_s, lambda _s, _t: hop).end.values())
@@ -239,7 +230,7 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        figures = _measure(n, device, seconds, init_device_mesh(device.type, (n,)), lambda ranks: dist.new_group(ranks))
+        figures = measure(n, device, seconds, init_device_mesh(device.type, (n,)), lambda ranks: dist.new_group(ranks))
         if rank == 0:
             results.put(figures)
         dist.barrier()
@@ -248,164 +239,3 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
     # Done, and the figures handed over: leave without the interpreter's teardown, where torch's C++ threads now and
     # then abort a finished worker ("terminate called without an active exception", seen under load).
     os._exit(0)
-
-
-def _measure(n: int, device: torch.device, seconds: float, mesh: Any, groups: Any) -> dict[str, Any]:
-    """Every figure of the module docstring, the slowest rank's, on every rank (each rank of the ``n`` must call it
-    at once; ``mesh`` is a 1-D mesh of them all, ``groups(ranks)`` the process group of some of them)."""
-    start = time.perf_counter()
-    figures: dict[str, Any] = {
-        "fp32_flops": _slowest(_matmul_flops(torch.float32, device, seconds), device, minimum=True),
-        "bf16_flops": _slowest(_matmul_flops(torch.bfloat16, device, seconds / 2), device, minimum=True),
-        "op_s": _slowest(_op_seconds(device, seconds), device),
-        "dtensor_op_s": _slowest(_dtensor_op_seconds(mesh, n, device, seconds / 2), device),
-        "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
-    }
-    collectives = []
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        for size in COLLECTIVE_SIZES:
-            collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
-    pp, step_s, stage_ops = _pipeline_step(n, device, groups)
-    figures["pipeline"] = (pp, _slowest(step_s, device))
-    figures["pipeline_stage_ops"] = stage_ops
-    figures["measuring_s"] = time.perf_counter() - start
-    figures["collectives"] = collectives
-    return figures
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest(value: float, device: torch.device, minimum: bool = False) -> float:
-    """The slowest rank's figure: the largest time, or the smallest throughput."""
-    t = torch.tensor([-value if minimum else value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(-t.item() if minimum else t.item())
-
-
-def _timed(run: Any, seconds: float, device: torch.device) -> tuple[int, float]:
-    """Runs ``run()`` (after one warm-up) until ``seconds`` have passed; (calls, elapsed)."""
-    run()
-    _sync(device)
-    dist.barrier()
-    calls, start = 0, time.perf_counter()
-    while True:
-        run()
-        calls += 1
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return calls, elapsed
-
-
-def _matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float) -> float:
-    size = 1024 if device.type == "cuda" else 256
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    calls, elapsed = _timed(lambda: a @ b, seconds, device)
-    return 2 * size**3 * calls / elapsed
-
-
-def _op_seconds(device: torch.device, seconds: float) -> float:
-    from torch import nn
-
-    from lightning_par3d.planning.probe import count_ops
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 8)).to(device)
-    x = torch.randn(2, 8, device=device)
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    _, ops = count_ops(step)
-    calls, elapsed = _timed(step, seconds, device)
-    return elapsed / calls / ops
-
-
-def _dtensor_op_seconds(mesh: Any, n: int, device: torch.device, seconds: float) -> float:
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    shard = distribute_tensor(torch.zeros(16 * n, device=device), mesh, [Shard(0)])
-    calls, elapsed = _timed(lambda: shard.mul_(1.0), seconds, device)
-    return elapsed / calls
-
-
-def _memory_bandwidth(device: torch.device, seconds: float) -> float:
-    source = torch.empty(4 * 2**20, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    calls, elapsed = _timed(lambda: target.copy_(source), seconds, device)
-    return 2 * source.numel() * 4 * calls / elapsed
-
-
-def _pipeline_step(n: int, device: torch.device, groups: Any, steps: int = 5) -> tuple[int, float, float]:
-    """(stages, median seconds per step, ops per action) of ``Schedule1F1B`` over pairs of ranks (the whole world
-    where ``n`` is odd), each stage a ``Linear`` of :data:`_PIPELINE_WIDTH` features, one sample per microbatch."""
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from lightning_par3d.planning.probe import count_ops
-
-    pp = 2 if n % 2 == 0 else n
-    rank = dist.get_rank()
-    group, index = None, 0
-    for first in range(0, n, pp):  # every rank makes every group, in the same order
-        ranks = list(range(first, first + pp))
-        made = groups(ranks)
-        if rank in ranks:
-            group, index = made, ranks.index(rank)
-    module = nn.Linear(_PIPELINE_WIDTH, _PIPELINE_WIDTH).to(device)
-    stage = PipelineStage(module, index, pp, device, group=group)
-    schedule = Schedule1F1B(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda out, _target: out.sum())
-    x = torch.randn(PIPELINE_MICROBATCHES, _PIPELINE_WIDTH, device=device)
-    _, ops = count_ops(lambda: module(x[:1]).sum().backward())
-
-    def step() -> None:
-        if index == 0:
-            schedule.step(x)
-        elif index == pp - 1:
-            schedule.step(target=x)
-        else:
-            schedule.step()
-
-    return pp, _median_seconds(step, steps, device), ops / 2  # the first, untimed, infers the stages' shapes
-
-
-def _median_seconds(run: Any, repeats: int, device: torch.device) -> float:
-    """The median time of ``run()`` over ``repeats`` calls after one untimed, every rank starting each at once."""
-    run()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repeats: int = 5) -> float:
-    if kind == "all_reduce":
-        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-
-        def run() -> None:
-            dist.all_reduce(tensor)
-
-    elif kind == "reduce_scatter":  # as par3d's ZeRO calls it (zero/buckets.py): one flat input, this rank's chunk out
-        flat = torch.zeros(size // 4 // n * n, dtype=torch.float32, device=device)
-        mine = torch.empty(size // 4 // n, dtype=torch.float32, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.12
-
-        def run() -> None:
-            scatter(mine, flat)
-
-    else:
-        chunk = torch.zeros(size // 4 // n, dtype=torch.float32, device=device)
-        parts = [torch.empty_like(chunk) for _ in range(n)]
-
-        def run() -> None:
-            dist.all_gather(parts, chunk)
-
-    return _median_seconds(run, repeats, device)

@@ -29,10 +29,12 @@ for ``full`` and ``selective``, the block's forward tensor-parallel collectives 
 
 **Tensor parallelism**, per microbatch: for each module of the plan, the collectives its style issues
 (:data:`~lightning_par3d.planning.probe.STYLE_COLLECTIVES`), each over the ``tp`` group, sized by the module's input
-or output at ``b`` samples and the run's activation dtype (2 bytes under bf16/fp16 compute, else 4), plus its DTensor
-glue: ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops (wrapping the input, redistributing or unwrapping the output) in
-forward and as many in backward, ``d`` seconds each; all part of the forward or backward it belongs to (not
-overlapped).
+or output at ``b`` samples and the run's activation dtype (2 bytes under bf16/fp16 compute, else 4); all part of the
+forward or backward it belongs to (not overlapped). Each module's DTensor work counts as compute (where a profile of
+the run finds it: between the collectives): the machine's measured ``tp_module_s`` (forward, backward) per module,
+what a colwise and a rowwise ``Linear`` cost beyond the same layers plain (5× and 20–30× a DTensor op's ``d`` on the
+2-core development machine, since the layer's own ops run on DTensors and the wrapping runs autograd functions); on
+a profile, ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops in each, ``d`` seconds each.
 
 **Issuing a collective** costs its rank ``COLLECTIVE_CPU_OPS`` ops of CPU time (the call, copies into and out of the
 communication buffer, the wait), ``COLLECTIVE_CPU_OPS · o``, which nothing overlaps; every tensor- and data-parallel
@@ -59,7 +61,9 @@ Where the machine overlaps communication with compute (NCCL's streams), only ``m
 collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
 
 **Pipeline**: every rank runs torch's own action order (:mod:`lightning_par3d.planning.schedule`) with each
-``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, every action
+``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, the ``I``
+plus the split's own work (``k_b · σ``: the stage's backward ops at the machine's measured ``split_backward_op_s``,
+torch walking the autograd graph to split it; CPU work, so on a GPU only what outlasts the kernels), every action
 plus the machine's measured ``pipeline_action_s`` (the schedule's own bookkeeping), and each hop between ranks
 ``send(stage output at b samples)``. The simulation gives when each rank's last action ends.
 
@@ -118,6 +122,10 @@ class StepTime:
     """Every pipeline rank's (compute, tp_comm, dp_comm, bubble), in pipeline order."""
     actions: tuple[int, ...] = ()
     """Every pipeline rank's compute actions per step in torch's schedule order (F, B, I, W; none without pp)."""
+    split: tuple[float, ...] = ()
+    """Every pipeline rank's share of its compute that splits backwards into ``I`` and ``W`` (zero-bubble
+    schedules; none otherwise): Python walking the autograd graph, which the bottleneck report's advice keeps apart
+    from the corrections it learns for the ops."""
 
     @property
     def total(self) -> float:
@@ -190,6 +198,8 @@ class StageCost:
     backward_tp: float
     step_tp: float
     """Per-step tensor-parallel reductions (``replicated_with_grad_allreduce`` gradients)."""
+    split_backward: float = 0.0
+    """What splitting the backward into ``I`` and ``W`` adds (torch's zero-bubble schedules), on the ``I``."""
 
     @property
     def forward(self) -> float:
@@ -200,8 +210,9 @@ class StageCost:
         return self.backward_compute + self.backward_tp
 
 
-def _compute(flops: float, ops: int, machine: Machine, throughput: float) -> float:
-    arithmetic, overhead = flops / throughput, ops * machine.op_overhead_s
+def _compute(flops: float, ops: int, machine: Machine, throughput: float, cpu_s: float = 0.0) -> float:
+    """``flops`` of arithmetic and ``ops`` aten ops (plus ``cpu_s`` of other CPU work): see the module docstring."""
+    arithmetic, overhead = flops / throughput, ops * machine.op_overhead_s + cpu_s
     return max(arithmetic, overhead) if machine.async_kernels else arithmetic + overhead
 
 
@@ -240,8 +251,12 @@ def stage_cost(
             )
     fwd_tp = bwd_tp = step_tp = 0.0
     if t > 1:
-        glue = DTENSOR_OPS_PER_TP_MODULE * len({c.module for c in work.tp}) * machine.dtensor_op_overhead_s
-        fwd_tp, bwd_tp = glue, glue
+        modules = len({c.module for c in work.tp})
+        if any(machine.tp_module_s):  # measured by the calibration
+            glue = (modules * machine.tp_module_s[0], modules * machine.tp_module_s[1])
+        else:
+            glue = (DTENSOR_OPS_PER_TP_MODULE * modules * machine.dtensor_op_overhead_s,) * 2
+        forward, backward = forward + glue[0], backward + glue[1]  # compute, as the profiler sees it
         launch = COLLECTIVE_CPU_OPS * machine.op_overhead_s
         for c in work.tp:
             if c.phase == "step":
@@ -254,7 +269,14 @@ def stage_cost(
                     bwd_tp += took  # the recomputed forward issues it again
             else:
                 bwd_tp += took
-    return StageCost(forward, fwd_tp, backward, bwd_tp, step_tp)
+    split = 0.0
+    if machine.split_backward_op_s:  # the I's share of the backward is then the rest, with the same CPU work added
+        splitting = work.backward_ops * machine.split_backward_op_s
+        flops = work.backward_flops * samples / t
+        split = _compute(flops, work.backward_ops, machine, throughput, splitting) - _compute(
+            flops, work.backward_ops, machine, throughput
+        )
+    return StageCost(forward, fwd_tp, backward, bwd_tp, step_tp, split)
 
 
 # ---------------------------------------------------------------- data parallelism and the optimizer per rank
@@ -352,7 +374,7 @@ def predict_step(
     samples = rank_batch / m
     tp_link = group_link(layout, "tp", machine, devices_per_node)
     costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link) for w in works]
-    counts = {0: 0}
+    counts, splits = {0: 0}, {0: 0.0}
     if layout.pp == 1:
         ends = {0: costs[0].forward + costs[0].backward}
         parts = {0: (costs[0].forward_compute + costs[0].backward_compute, costs[0].forward_tp + costs[0].backward_tp)}
@@ -362,7 +384,8 @@ def predict_step(
 
         def duration(action: object) -> float:
             c, (f, b) = costs[action.stage], shares[action.kind]  # type: ignore[attr-defined]
-            return f * c.forward + b * c.backward + machine.pipeline_action_s
+            split = c.split_backward if action.kind == "I" else 0.0  # type: ignore[attr-defined]
+            return f * c.forward + b * c.backward + split + machine.pipeline_action_s
 
         owner = {a.stage: r for r, acts in actions.items() for a in acts}
 
@@ -374,14 +397,15 @@ def predict_step(
 
         ends = simulate(actions, duration, transfer).end
         counts = {rank: len(acts) for rank, acts in actions.items()}
-        parts = {}
+        parts, splits = {}, {}
         for rank, acts in actions.items():
             compute = tp = 0.0
+            splits[rank] = sum(costs[a.stage].split_backward for a in acts if a.kind == "I")
             for a in acts:
                 c, (f, b) = costs[a.stage], shares[a.kind]
                 compute += f * c.forward_compute + b * c.backward_compute
                 tp += f * c.forward_tp + b * c.backward_tp
-            parts[rank] = (compute, tp)
+            parts[rank] = (compute + splits[rank], tp)
     steps: list[StepTime] = []
     for rank, end in sorted(ends.items()):
         mine = [params[s] for s in layout.stage_indices(rank)]
@@ -396,10 +420,11 @@ def predict_step(
         steps.append(StepTime(compute + opt, tp + step_tp, dp, max(end - compute - tp, 0.0), rank))
     best = max(steps, key=lambda step: step.total)
     every = tuple((s.compute, s.tp_comm, s.dp_comm, s.bubble) for s in steps)
-    actions_per_rank = tuple(counts[rank] for rank in sorted(ends))
+    ranks = sorted(ends)
     return StepTime(
-        best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every, actions_per_rank
-    )
+        best.compute, best.tp_comm, best.dp_comm, best.bubble, best.critical_pp_rank, every,
+        tuple(counts[rank] for rank in ranks), tuple(splits[rank] for rank in ranks),
+    )  # fmt: skip
 
 
 def _pp_link(layout: Layout, a: int, b: int, machine: Machine, devices_per_node: int) -> Link:

@@ -86,6 +86,16 @@ class Machine:
     """Bytes per second one device streams (the optimizer step reads and writes every state element)."""
     intra_node: Link
     inter_node: Link
+    tp_module_s: tuple[float, float] = (0.0, 0.0)
+    """Seconds a tensor-parallel module costs beyond its plain ops, (forward, backward) per microbatch: its input
+    wrapped into a DTensor, its layer's ops dispatched on DTensors, its output redistributed and unwrapped, and their
+    autograd functions in backward. A calibration measures it; (0, 0) on the profiles, where the cost model counts
+    ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops in each instead."""
+    split_backward_op_s: float = 0.0
+    """Seconds torch's zero-bubble schedules add per backward op by splitting a stage's backward into its input
+    gradient (``I``) and weight gradient (``W``): ``stage_backward_input`` walks the autograd graph in Python to
+    find what the weight gradients need, hooks it and keeps it, and ``stage_backward_weight`` runs the second pass
+    from there. CPU work, measured by a calibration; 0 on the profiles (not measured there)."""
     pipeline_action_s: float = 0.0
     """Seconds a pipeline schedule spends per action (a stage's forward or backward of one microbatch) beyond the
     stage's own ops and its transfers: torch's schedule bookkeeping, the point-to-point ops' setup and waits. A
@@ -126,6 +136,16 @@ class Machine:
                 else ""
             )
             + (f"; {self.pipeline_action_s * 1e3:.2g} ms per pipeline action" if self.pipeline_action_s else "")
+            + (
+                f"; tensor-parallel module {self.tp_module_s[0] * 1e3:.2g} + {self.tp_module_s[1] * 1e3:.2g} ms"
+                if any(self.tp_module_s)
+                else ""
+            )
+            + (
+                f"; zero-bubble split {self.split_backward_op_s * 1e6:.2g} µs per backward op"
+                if self.split_backward_op_s
+                else ""
+            )
         )
 
 

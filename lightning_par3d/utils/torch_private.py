@@ -128,6 +128,17 @@ def schedule_stages(schedule: Any) -> list[Any]:
     return list(stages) if stages else [schedule._stage]
 
 
+def split_backward() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """torch's pipeline stage backward, whole and split in two: ``stage_backward``, ``stage_backward_input`` and
+    ``stage_backward_weight``, as the zero-bubble schedules call them (the calibration times the split's own cost).
+
+    Private module: ``torch.distributed.pipelining._backward``; the schedules call these themselves, and torch has
+    no public way to run one stage's backward the way a schedule does."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    return stage_backward, stage_backward_input, stage_backward_weight
+
+
 def dtensor_local(t: Any) -> torch.Tensor:
     """A DTensor's own local tensor, the very storage FSDP2 and DCP use, with no autograd in between. The public
     ``DTensor.to_local()`` goes through an autograd function (a view with a ``grad_fn`` under grad mode), which
