@@ -32,9 +32,9 @@ for ``full`` and ``selective``, the block's forward tensor-parallel collectives 
 or output at ``b`` samples and the run's activation dtype (2 bytes under bf16/fp16 compute, else 4); all part of the
 forward or backward it belongs to (not overlapped). Each module's DTensor work counts as compute (where a profile of
 the run finds it: between the collectives): the machine's measured ``tp_module_s`` (forward, backward) per module,
-what a colwise and a rowwise ``Linear`` cost beyond the same layers plain (5× and 20–30× a DTensor op's ``d`` on the
-2-core development machine, since the layer's own ops run on DTensors and the wrapping runs autograd functions); on
-a profile, ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops in each, ``d`` seconds each.
+what a colwise and a rowwise ``Linear`` cost beyond the same layers plain (timed alone on the 2-core development
+machine, 10× and 18× a DTensor op's ``d``, since the layer's own ops run on DTensors and the wrapping runs autograd
+functions); on a profile, ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops in each, ``d`` seconds each.
 
 **Issuing a collective** costs its rank ``COLLECTIVE_CPU_OPS`` ops of CPU time (the call, copies into and out of the
 communication buffer, the wait), ``COLLECTIVE_CPU_OPS · o``, which nothing overlaps; every tensor- and data-parallel

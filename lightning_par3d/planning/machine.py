@@ -137,7 +137,8 @@ class Machine:
             )
             + (f"; {self.pipeline_action_s * 1e3:.2g} ms per pipeline action" if self.pipeline_action_s else "")
             + (
-                f"; tensor-parallel module {self.tp_module_s[0] * 1e3:.2g} + {self.tp_module_s[1] * 1e3:.2g} ms"
+                f"; per tensor-parallel module {self.tp_module_s[0] * 1e3:.2g} ms forward, "
+                f"{self.tp_module_s[1] * 1e3:.2g} ms backward"
                 if any(self.tp_module_s)
                 else ""
             )
