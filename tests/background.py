@@ -36,9 +36,9 @@ import pytest
 WORKERS = int(os.environ.get("PAR3D_BG_WORKERS", "2"))
 """How many cases run at once (``PAR3D_BG_WORKERS``)."""
 NICE = 10
-"""The background's niceness. CFS weighs a nice-10 process at 110 against a pooled rank's 1024: the background runs
-on the cores the pool leaves idle, and where both want the CPU, a dozen background processes weigh about as much as
-one rank."""
+"""The background's niceness, of its processes and of its session (:func:`set_priority`). CFS weighs a nice-10
+session at 110 against the pytest session's 1024, all pooled ranks together: the background runs on the cores the
+pool leaves idle, and takes about a tenth of them where both want the CPU."""
 URGENT_NICE = -10
 """The niceness of a case while it times something a user would see (a fault tree from its fault to its end): ahead
 of the pooled ranks, so that what it measures is the code's own time, not a share of a machine that the suite
@@ -142,9 +142,21 @@ def can_raise_priority() -> bool:
 
 
 def set_priority(group: int, nice: int) -> None:
-    """Gives every thread of every process in the group the niceness ``nice``, where allowed."""
+    """Gives every thread of every process in the group the niceness ``nice``, where allowed, and so the group's
+    session (each case runs in a session of its own: ``group`` is its id) where the kernel schedules by session.
+
+    With autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in most distributions'
+    kernels), CFS first shares the CPU between sessions, each weighing as a nice-0 process whatever its processes'
+    niceness, and a niceness counts only within its session. A case's niceness alone would then be ignored, and
+    every case would weigh as much as the whole pytest session, all pooled ranks together (measured here: two
+    nice-10 processes in sessions of their own got twice the CPU of two nice-0 ones in one session). The session's
+    own niceness (``/proc/<pid>/autogroup``) is what the kernel weighs between sessions."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.setpriority(os.PRIO_PGRP, group, nice)
+    for member in [group, *group_members(group)]:
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{member}/autogroup").write_text(str(nice))
+            return
 
 
 def group_members(group: int) -> list[int]:

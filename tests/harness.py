@@ -26,8 +26,10 @@ Environment (read when a pool starts):
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import queue
+import signal
 import socket
 import sys
 import tempfile
@@ -132,6 +134,7 @@ def _worker(rank: int, world_size: int, port: int, log_dir: str, inbox: Any, out
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # a hung job's stacks, for the report
     while (job := inbox.get()) is not None:
         fn, kwargs = job
         print(f"=== job {fn.__module__}.{fn.__name__}", flush=True)
@@ -195,13 +198,14 @@ class DistPool:
             inbox.put((fn, kwargs))
         outcomes = self._collect(timeout)
         failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.rank)
-        if len(outcomes) < self.world_size or 0 < len(failed) < self.world_size:
+        missing = sorted(set(range(self.world_size)) - {o.rank for o in outcomes})
+        hung = self._hung(missing) if missing else ""  # before close(): the stacks of a rank still hanging
+        if missing or 0 < len(failed) < self.world_size:
             self.close()  # a partial failure or a hang leaves collectives mismatched: start afresh next time
         elif max(o.threads for o in outcomes) > RECYCLE_THREADS:
             self.close()
-        if len(outcomes) < self.world_size:
-            missing = sorted(set(range(self.world_size)) - {o.rank for o in outcomes})
-            detail = failed[0].trace if failed else self.log_tail(missing[0])
+        if missing:
+            detail = f"{hung}\nrank {failed[0].rank} failed meanwhile:\n{failed[0].trace}" if failed else hung
             raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout:.0f} s.\n{detail}")
         if failed:
             first = failed[0]
@@ -224,6 +228,17 @@ class DistPool:
                 if any(not p.is_alive() for p in self._procs):
                     break  # a rank died (killed, segfault): do not wait for the deadline
         return outcomes
+
+    def _hung(self, missing: list[int]) -> str:
+        """The first missing rank's log tail, ending with every thread's stack where it hangs (SIGUSR1 makes the
+        worker's ``faulthandler`` write them); called before :meth:`close`."""
+        rank = missing[0]
+        process = self._procs[rank] if rank < len(self._procs) else None
+        if process is not None and process.is_alive() and process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGUSR1)
+                time.sleep(2.0)
+        return self.log_tail(rank, chars=8000)
 
     def log_tail(self, rank: int, chars: int = 4000) -> str:
         path = self.log_dir / f"rank{rank}.log"

@@ -2,9 +2,10 @@
 command a reader is told to type (each line of a ```` ```bash ```` block of ``README.md`` and ``docs/*.md`` that starts
 with ``python``, ``par3d`` or ``accelerate launch``) runs, from the repository root, with the venv's interpreter, as
 a background case (``tests/background.py``). A run that trains is shortened: the Hydra app gets ``trainer.max_steps``
-(10 where the bottleneck report samples, else 3) and a run folder of its own; the other examples their own step
-options. GPU, multi-node and placeholder commands live in ```` ```shell ```` blocks, which are shown, not run here
-(the GPU tiers run on GPU machines: ``tests/test_gpu.py``, ``docs/gpu-ci.md``)."""
+(6 where the bottleneck report samples, which then skips two steps instead of five, else 3) and a run folder of its
+own; the other examples their own step options. GPU, multi-node and placeholder commands live in
+```` ```shell ```` blocks, which are shown, not run here (the GPU tiers run on GPU machines: ``tests/test_gpu.py``,
+``docs/gpu-ci.md``)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,12 @@ def shortened(command: str, folder: Path) -> list[str]:
     if "examples/train.py" in words:
         trains = not any(w.startswith("mode=") for w in words) or "mode=train" in words
         sampled = any(w in words for w in ("experiment=demo", "callbacks=observe"))
+        if trains and sampled:  # the report's 3 steps after the 2 it must skip (5 as configured), and one more
+            words += ["trainer.max_steps=6", "callbacks.bottleneck_report.skip_first=2"]
+        elif trains:
+            words += ["trainer.max_steps=3"]
         if trains:
-            words += [f"trainer.max_steps={10 if sampled else 3}", "trainer.limit_val_batches=2"]
+            words += ["trainer.limit_val_batches=2"]
         words += [f"hydra.run.dir={folder / 'run'}", f"hydra.sweep.dir={folder / 'sweep'}"]
     words = [re.sub(r"^steps=\d+$", "steps=3", w) for w in words]  # the Accelerate example's Hydra option
     words = [re.sub(r"^--trainer\.max_steps=\d+$", "--trainer.max_steps=3", w) for w in words]  # LightningCLI

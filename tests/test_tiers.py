@@ -1,5 +1,5 @@
-"""The test tiers and the harness: the quick tier holds what it promises (``tests/conftest.py``), and a pool's workers
-end with the test process that started them, even one that is killed."""
+"""The test tiers and the harness: the quick tier holds what it promises (``tests/conftest.py``), a pool's workers end
+with the test process that started them, even one that is killed, and a job that hangs is reported with its stack."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import QUICK_PARITY
+from tests.harness import DistPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,3 +83,23 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return not (status.exists() and "zombie" in status.read_text().lower())
+
+
+def _rank_one_hangs() -> int:
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(120)
+    return 0
+
+
+def test_a_job_that_hangs_reports_where_the_missing_rank_waits():
+    """A rank that misses the deadline is reported with the stack it hangs in (its ``faulthandler``), so that a hang
+    seen once in CI can be read from CI's output."""
+    pool = DistPool(2)
+    try:
+        pool.run(os.getpid, timeout=240)  # started: the deadline below is the job's alone
+        with pytest.raises(TimeoutError) as hung:
+            pool.run(_rank_one_hangs, timeout=3)
+        assert "ranks [1] did not finish _rank_one_hangs" in str(hung.value)
+        assert "in _rank_one_hangs" in str(hung.value), str(hung.value)[-3000:]
+    finally:
+        pool.close()
