@@ -322,3 +322,37 @@ def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers(n
     assert done.returncode == 0, done.stderr
     assert "par3d: rank 0 failed" in done.stderr
     assert done.stdout.strip() == "handler ran, frozen objects: True"
+
+
+def _two_runs_that_fail() -> list[tuple[str, bool]]:
+    """Two runs in the same process group, each failing on both ranks: rank 0 first in the first, rank 1 first in
+    the second. Returns this rank's (message, failed first) for each run."""
+    import torch.distributed as dist
+
+    from lightning_par3d.distributed import faults, groups
+
+    groups.init_default_group(torch.device("cpu"), 30.0, None)
+    rank, seen = dist.get_rank(), []
+    for first in (0, 1):
+        faults.new_run()
+        order = [first, 1 - first]
+        for turn in order:  # one rank records its failure, then the other
+            if rank == turn:
+                message = faults.describe_failure(rank, 2, RuntimeError(f"run {first}: rank {rank}"), 30)
+                seen.append((message, faults.failed_first(rank)))
+            dist.barrier()
+    return seen
+
+
+def test_a_failure_of_an_earlier_run_in_the_process_is_not_this_runs(pool2) -> None:
+    """A notebook, a Hydra multirun or a fit after a fit keeps the process group and its store: the second run's
+    failure names the second run's first failing rank, and that rank is the one that prints."""
+    by_rank = pool2.run(_two_runs_that_fail)
+    (first_run_0, first_0), (second_run_0, second_0) = by_rank[0]
+    (first_run_1, first_1), (second_run_1, second_1) = by_rank[1]
+    assert (first_0, first_1) == (True, False)
+    assert "rank 0 failed first: RuntimeError: run 0: rank 0" in first_run_1
+    assert "failed first" not in first_run_0
+    assert (second_0, second_1) == (False, True)
+    assert "rank 1 failed first: RuntimeError: run 1: rank 1" in second_run_0
+    assert "failed first" not in second_run_1

@@ -9,6 +9,11 @@ store's host (rank 0) may be the rank that died.
 A job prints its cause once: :func:`failed_first` tells the front-ends whether this rank's failure is the one the
 store recorded first, and only that rank prints; the others end quietly (their failures are consequences, or the
 same error again), unless the store cannot say (rank 0, its host, died), when each prints.
+
+The store outlives a run: a notebook, a Hydra multirun or a ``fit`` after a ``fit`` keeps the process group, and a
+failure recorded by an earlier run would be read as this run's first (naming the wrong rank and cause, and keeping
+the rank that really failed first quiet). So the keys are the run's own: :func:`new_run`, which every rank calls at
+the same points (the engine's setup), numbers them, with no collective.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import torch.distributed as dist
 
 from lightning_par3d.utils.torch_private import default_store
 
-FIRST_FAILURE = "par3d/first_failure"
-REPORTED = "par3d/first_failure_reported"
+FIRST_FAILURE = "first_failure"
+REPORTED = "first_failure_reported"
 """Set once the rank that failed first has printed its message (:func:`note_reported`)."""
+_RUN = [0]
+"""This process's runs so far (:func:`new_run`): the number in the keys of the current one."""
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
 """Words (lower case) of the errors a collective raises when another rank stalled or died."""
 _MORE_LINES = 40
@@ -39,12 +46,22 @@ def _store() -> Any:
         return None
 
 
+def new_run() -> None:
+    """A run begins in this process (a ``fit``, a ``validate``, a Fabric script's setup): its failure record and its
+    step notes start empty. Every rank of the job calls it at the same points, so they agree on the run's keys."""
+    _RUN[0] += 1
+
+
+def _key(name: str) -> str:
+    return f"par3d/run{_RUN[0]}/{name}"
+
+
 def note_step(rank: int, step: int) -> None:
     """Records that ``rank`` is starting ``step`` (read only when something fails)."""
     store = _store()
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(f"par3d/step/{rank}", str(step))
+            store.set(_key(f"step/{rank}"), str(step))
 
 
 def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s: float) -> str:
@@ -62,7 +79,7 @@ def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s
     if store is not None:
         try:
             store.set_timeout(timedelta(seconds=5))
-            first = store.compare_set(FIRST_FAILURE, "", f"{rank}|{text[:500]}").decode()
+            first = store.compare_set(_key(FIRST_FAILURE), "", f"{rank}|{text[:500]}").decode()
         except Exception:
             store = None
             lines.append("  The key-value store hosted by rank 0 does not answer: rank 0 has probably died.")
@@ -95,9 +112,9 @@ def failed_first(rank: int) -> bool:
         return True
     try:
         store.set_timeout(timedelta(seconds=5))
-        if not store.check([FIRST_FAILURE]):
+        if not store.check([_key(FIRST_FAILURE)]):
             return True
-        return bool(store.get(FIRST_FAILURE).decode().startswith(f"{rank}|"))
+        return bool(store.get(_key(FIRST_FAILURE)).decode().startswith(f"{rank}|"))
     except Exception:
         return True
 
@@ -107,7 +124,7 @@ def note_reported() -> None:
     store = _store()
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(REPORTED, "1")
+            store.set(_key(REPORTED), "1")
 
 
 def await_report(seconds: float) -> None:
@@ -120,7 +137,7 @@ def await_report(seconds: float) -> None:
     if store is None:
         return
     with contextlib.suppress(Exception):
-        store.wait([REPORTED], timedelta(seconds=seconds))
+        store.wait([_key(REPORTED)], timedelta(seconds=seconds))
 
 
 def _steps(store: Any, world_size: int) -> dict[int, int]:
@@ -129,7 +146,7 @@ def _steps(store: Any, world_size: int) -> dict[int, int]:
     steps = {}
     for rank in range(world_size):
         with contextlib.suppress(Exception):
-            key = f"par3d/step/{rank}"
+            key = _key(f"step/{rank}")
             if store.check([key]):
                 steps[rank] = int(store.get(key).decode())
     return steps
