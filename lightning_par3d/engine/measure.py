@@ -227,6 +227,7 @@ def measure_learned(
         return best
     extra = reserve[index]
     states = _rng_states()
+    started = time.perf_counter()
     try:
         took = measure_step(extra, sample, precision, device)
     except Exception as error:  # the run goes on with the fastest measured; rank 0 says why
@@ -243,8 +244,8 @@ def measure_learned(
         print(
             f"par3d layout='auto': the measured steps put the cost model's buckets at {learned} of its prediction; "
             f"with them {extra.name} (predicted {extra.predicted_s * 1e3:,.1f} ms) comes to "
-            f"{relearned(extra.buckets, factors) * 1e3:,.1f} ms, so it was measured too: {took * 1e3:,.1f} ms; "
-            f"training {candidates[fastest].name}.",
+            f"{relearned(extra.buckets, factors) * 1e3:,.1f} ms, so it was measured too: {took * 1e3:,.1f} ms "
+            f"(measuring it took {time.perf_counter() - started:.1f} s more); training {candidates[fastest].name}.",
             flush=True,
         )
     return fastest
