@@ -13,7 +13,9 @@ first job's process group serves all later jobs.
 * **Nothing carries over.** The environment, torch's thread count and ``sys.stdout``/``sys.stderr`` are restored
   before each job.
 * **Logs.** Each rank's output goes to ``$TMPDIR/par3d-pool<world size>-*/rank<r>.log`` (a line per job, and the
-  thread count after it); a failure reports the tail of the failing rank's log and the log's path.
+  thread count after it); a failure reports the tail of the failing rank's log and the log's path, and a job past
+  its deadline the tail of the first missing rank's log, which ends with the stack of each of its threads where it
+  hangs (its ``faulthandler``, on SIGUSR1).
 
 Environment (read when a pool starts):
 
