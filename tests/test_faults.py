@@ -324,15 +324,17 @@ def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers(n
     assert done.stdout.strip() == "handler ran, frozen objects: True"
 
 
-def _two_runs_that_fail() -> list[tuple[str, bool]]:
+def _two_runs_that_fail() -> tuple[list[tuple[str, bool]], bool]:
     """Two runs in the same process group, each failing on both ranks: rank 0 first in the first, rank 1 first in
-    the second. Returns this rank's (message, failed first) for each run."""
+    the second. Returns this rank's (message, failed first) for each run, and whether the store's timeout is what
+    it was before (the failure path waits 5 s at most, and gives the store its own timeout back)."""
     import torch.distributed as dist
 
     from lightning_par3d.distributed import faults, groups
+    from lightning_par3d.utils.torch_private import default_store
 
     groups.init_default_group(torch.device("cpu"), 30.0, None)
-    rank, seen = dist.get_rank(), []
+    rank, seen, timeout = dist.get_rank(), [], default_store().timeout
     for first in (0, 1):
         faults.new_run()
         order = [first, 1 - first]
@@ -341,15 +343,16 @@ def _two_runs_that_fail() -> list[tuple[str, bool]]:
                 message = faults.describe_failure(rank, 2, RuntimeError(f"run {first}: rank {rank}"), 30)
                 seen.append((message, faults.failed_first(rank)))
             dist.barrier()
-    return seen
+    return seen, default_store().timeout == timeout
 
 
 def test_a_failure_of_an_earlier_run_in_the_process_is_not_this_runs(pool2) -> None:
     """A notebook, a Hydra multirun or a fit after a fit keeps the process group and its store: the second run's
     failure names the second run's first failing rank, and that rank is the one that prints."""
-    by_rank = pool2.run(_two_runs_that_fail)
-    (first_run_0, first_0), (second_run_0, second_0) = by_rank[0]
-    (first_run_1, first_1), (second_run_1, second_1) = by_rank[1]
+    (seen_0, kept_0), (seen_1, kept_1) = pool2.run(_two_runs_that_fail)
+    (first_run_0, first_0), (second_run_0, second_0) = seen_0
+    (first_run_1, first_1), (second_run_1, second_1) = seen_1
+    assert kept_0 and kept_1, "the failure path left the store with its own short timeout"
     assert (first_0, first_1) == (True, False)
     assert "rank 0 failed first: RuntimeError: run 0: rank 0" in first_run_1
     assert "failed first" not in first_run_0

@@ -19,6 +19,7 @@ the same points (the engine's setup), numbers them, with no collective.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +34,8 @@ _RUN = [0]
 """This process's runs so far (:func:`new_run`): the number in the keys of the current one."""
 _SIGNS_OF_A_LOST_PEER = ("timed out", "timeout", "closed by peer", "reset by peer", "broken pipe", "connection refused")
 """Words (lower case) of the errors a collective raises when another rank stalled or died."""
+_STORE_TIMEOUT_S = 5.0
+"""How long a store call on the failure path waits."""
 _MORE_LINES = 40
 """At most this many further lines of an error's message are repeated in the failure message."""
 
@@ -52,6 +55,22 @@ def new_run() -> None:
     _RUN[0] += 1
 
 
+@contextlib.contextmanager
+def _answering_soon(store: Any) -> Iterator[None]:
+    """The store's calls within wait :data:`_STORE_TIMEOUT_S` at most (its host, rank 0, may be the rank that died);
+    its own timeout is given back after, since the store serves the run's later calls and the process's later runs
+    (creating groups, say) too."""
+    if store is None:
+        yield
+        return
+    previous = store.timeout
+    store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        store.set_timeout(previous)
+
+
 def _key(name: str) -> str:
     return f"par3d/run{_RUN[0]}/{name}"
 
@@ -67,6 +86,12 @@ def note_step(rank: int, step: int) -> None:
 def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s: float) -> str:
     """Records ``rank``'s failure and returns a message naming the rank that failed first, why, and (for a
     collective that timed out or lost a peer) the step each rank had started."""
+    store = _store()
+    with _answering_soon(store):
+        return _describe(rank, world_size, error, timeout_s, store)
+
+
+def _describe(rank: int, world_size: int, error: BaseException, timeout_s: float, store: Any) -> str:
     detail = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {detail[0] if detail else ''}"
     lines = [f"par3d: rank {rank} failed: {text[:500]}"]
@@ -74,11 +99,9 @@ def describe_failure(rank: int, world_size: int, error: BaseException, timeout_s
     # it sees a rank it launched end) before the traceback is printed, and then this message is all a person sees.
     rest = [f"    {line[:500]}" for line in detail[1:] if line.strip()]
     lines += rest[:_MORE_LINES] + ([f"    … ({len(rest) - _MORE_LINES} more lines)"] if len(rest) > _MORE_LINES else [])
-    store = _store()
     first = None
     if store is not None:
         try:
-            store.set_timeout(timedelta(seconds=5))
             first = store.compare_set(_key(FIRST_FAILURE), "", f"{rank}|{text[:500]}").decode()
         except Exception:
             store = None
@@ -110,13 +133,13 @@ def failed_first(rank: int) -> bool:
     store = _store()
     if store is None:
         return True
-    try:
-        store.set_timeout(timedelta(seconds=5))
-        if not store.check([_key(FIRST_FAILURE)]):
+    with _answering_soon(store):
+        try:
+            if not store.check([_key(FIRST_FAILURE)]):
+                return True
+            return bool(store.get(_key(FIRST_FAILURE)).decode().startswith(f"{rank}|"))
+        except Exception:
             return True
-        return bool(store.get(_key(FIRST_FAILURE)).decode().startswith(f"{rank}|"))
-    except Exception:
-        return True
 
 
 def note_reported() -> None:
