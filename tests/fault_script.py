@@ -3,14 +3,15 @@
     python tests/fault_script.py OUT '{"dp_shard": 2}' 2 stall 1 3
 
 trains the example GPT at the layout (a JSON of Par3DConfig fields) on DEVICES CPU processes (GPUs over NCCL where
-``PAR3D_FAULT_ACCELERATOR=gpu``; ``timeout_s`` is
-``tests.constants.FAULT_TIMEOUT_S``, one global batch per epoch), and at the start of step STEP, on rank RANK, injects
-FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise`` (an exception in
-this step only) or ``none``. Every rank writes ``OUT/pid<rank>`` with its PID at start; the faulting rank (or the
-rank a save kills) writes ``OUT/fault_at`` with the wall-clock time of the fault; a rank whose ``fit`` raises writes
-``OUT/raised<rank>`` with the time it did, and every rank writes ``OUT/atexit<rank>`` as its interpreter begins to
-exit. With ``checkpoints`` the run saves ``last.ckpt`` every step into ``OUT/ckpt`` (the kill-during-save cases
-patch the save from ``KILL_SAVE``: ``<rank>:<point>``).
+``PAR3D_FAULT_ACCELERATOR=gpu``; ``timeout_s`` is ``tests.constants.FAULT_TIMEOUT_S``, one global batch per epoch),
+and at the start of step STEP, on rank RANK, injects FAULT: ``kill`` (SIGKILL), ``stall`` (sleeps forever), ``raise``
+(an exception in this step only), ``raise_measuring`` (with ``layout="auto"``: an exception on RANK alone as
+measuring starts its second candidate, whose collectives the other ranks then wait in) or ``none``. Every rank writes
+``OUT/pid<rank>`` with its PID at start; the faulting rank (or the rank a save kills) writes ``OUT/fault_at`` with
+the wall-clock time of the fault; a rank whose ``fit`` raises writes ``OUT/raised<rank>`` with the time it did, and
+every rank writes ``OUT/atexit<rank>`` as its interpreter begins to exit. With ``checkpoints`` the run saves
+``last.ckpt`` every step into ``OUT/ckpt`` (the kill-during-save cases patch the save from ``KILL_SAVE``:
+``<rank>:<point>``).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ from lightning_par3d import Par3DStrategy
 from tests.constants import FAULT_DATA, FAULT_TIMEOUT_S, GLOBAL_BATCH, MODEL, SEED  # as the tests' references
 from tests.gpt_runs import trainer_kwargs
 
+INJECTED_AT_STEP = ("kill", "stall", "raise")
+
 
 class Fault(L.Callback):
     def __init__(self, out: Path, kind: str, rank: int, step: int) -> None:
         self.out, self.kind, self.rank, self.step = out, kind, rank, step
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step != self.step or trainer.global_rank != self.rank or self.kind == "none":
+        if trainer.global_step != self.step or trainer.global_rank != self.rank or self.kind not in INJECTED_AT_STEP:
             return
         note_the_fault(self.out)
         if self.kind == "kill":
@@ -70,6 +73,7 @@ def kill_during_save(spec: str, out: Path) -> None:
     ``meta.pt`` not yet), ``between_renames`` (rank 0, the old checkpoint set aside, the new one not in place)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
+    from lightning_par3d.checkpoint import atomic
     from lightning_par3d.checkpoint import dcp as ckpt
 
     rank, point = spec.split(":")
@@ -100,12 +104,30 @@ def kill_during_save(spec: str, out: Path) -> None:
         target = args[0] if point == "before_meta" else args[1]
         if second_save_of_last(target):
             if point == "between_renames":
-                os.rename(args[1], ckpt._previous(args[1]))
+                os.rename(args[1], atomic.previous_name(args[1]))
             note_the_fault(out)
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
     setattr(ckpt, name, die_at_second)
+
+
+def raise_while_measuring(out: Path, rank: int) -> None:
+    """On rank ``rank``, ``layout="auto"``'s measuring raises as it starts its second candidate."""
+    from lightning_par3d.engine import measure
+
+    if int(os.environ.get("LOCAL_RANK", "0")) != rank:
+        return
+    original, calls = measure.measure_step, [0]
+
+    def second_fails(*args: Any, **kwargs: Any) -> float:
+        calls[0] += 1
+        if calls[0] == 2:
+            note_the_fault(out)
+            raise RuntimeError(f"injected failure on rank {rank} while measuring")
+        return original(*args, **kwargs)
+
+    measure.measure_step = second_fails  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -117,6 +139,8 @@ def main() -> None:
     atexit.register(stamp, out_dir / f"atexit{local_rank}")
     if os.environ.get("KILL_SAVE"):
         kill_during_save(os.environ["KILL_SAVE"], out_dir)
+    if kind == "raise_measuring":
+        raise_while_measuring(out_dir, int(rank))
     checkpoints = "checkpoints" in sys.argv[7:]
     callbacks: list[L.Callback] = [Fault(out_dir, kind, int(rank), int(step))]
     if checkpoints:
@@ -133,7 +157,7 @@ def main() -> None:
         ),
     )
     L.seed_everything(SEED, verbose=False)
-    dp = strategy.layout.dp
+    dp = int(devices) if strategy.engine.awaits_layout else strategy.layout.dp  # "auto" keeps batch x world
     data = ShakespeareDataModule(block_size=32, batch_size=GLOBAL_BATCH // dp, **FAULT_DATA)
     try:
         trainer.fit(GPTModule(**MODEL), data)

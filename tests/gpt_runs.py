@@ -179,7 +179,8 @@ def run_par3d(
     callbacks: list[L.Callback] = [recorder, *(extra_callbacks or [])]
     if ckpt_dir is not None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1))
-    overrides = dict(max_steps=max_steps, enable_checkpointing=ckpt_dir is not None, **trainer_overrides)
+    checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
+    overrides = dict(max_steps=max_steps, enable_checkpointing=checkpointing, **trainer_overrides)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **trainer_kwargs(**overrides))
     module = GPTModule(**{**MODEL, **(model or {})})
     batch_size = rank_batch if rank_batch is not None else GLOBAL_BATCH // par3d.layout.dp

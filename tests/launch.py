@@ -31,10 +31,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def start(command: list[str], folder: Path, i: int, env: dict[str, str]) -> subprocess.Popen:
-    """``command`` in a session of its own (``background.popen``), its output in ``folder/out<i>.txt``."""
+def start(command: list[str], folder: Path, i: int, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen:
+    """``command`` in a session of its own (``background.popen``) in ``cwd``, its output in ``folder/out<i>.txt``."""
     out = (folder / f"out{i}.txt").open("w")
-    return background.popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    return background.popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
 
 def wait_all(

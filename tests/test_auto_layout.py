@@ -251,3 +251,83 @@ def test_the_choice_is_printed_with_why_and_how_to_pin_it():
     assert text.startswith(f"par3d layout='auto': chose {table.best.describe()} on 4 ranks: the fastest predicted")
     assert "| 1 | " in text and "Rejected layouts" not in text
     assert "To pin this layout: Par3DStrategy(pp=" in text
+
+
+def test_a_kept_choice_is_reused_only_for_the_same_model_not_the_same_class(pool2, tmp_path):
+    """The record of a measured choice is keyed on what decides the layout: the same GPT class with another
+    ``n_layer`` plans and measures again, and says why, instead of taking the smaller model's layout."""
+    strategy = dict(layout="auto", measure=2, plan_machine="h100-sxm-8")  # a profile: no calibration to wait for
+    run = dict(strategy=strategy, devices=2, rank_batch=4, default_root_dir=str(tmp_path), max_steps=1)
+    pool2.run(run_par3d, **run)
+    pool2.run(run_par3d, **run, model=dict(n_layer=3))
+    log = pool2.log_tail(0, chars=20000)
+    assert "are for other jobs: the nearest differs in the model's config; planning again" in log  # its hparams
+    kept = json.loads((tmp_path / "par3d_auto_layout.json").read_text())
+    assert len(kept) == 2 and {entry["job"]["model"] for entry in kept.values()} == {"examples.gpt.GPTModule"}
+
+
+def test_the_job_record_names_what_decides_the_layout():
+    from examples.gpt import GPTModule
+    from lightning_par3d.engine.measure import MeasureWith, job_record, why_not_kept
+    from tests.constants import MODEL
+
+    def record(**model: object) -> dict[str, str]:
+        sample = MeasureWith(meta_copy(GPTModule(**{**MODEL, **model})), None)
+        return job_record(Par3DConfig(tp=2), sample, 4, 8, 32, "32-true", torch.device("cpu"))
+
+    two, three, wider = record(), record(n_layer=3), record(n_embd=64)
+    assert two == record()  # the same job
+    assert {k for k in two if two[k] != three[k]} == {"config"}  # the GPT builds its blocks in configure_model
+    assert {k for k in two if two[k] != wider[k]} == {"config"}
+    assert "('tp', '2')" in two["pinned"] and two["world"] == "4" and two["device"].startswith("cpu×")
+    kept = {"x": {"job": two}}
+    assert "differs in the model's config" in why_not_kept(kept, three, __import__("pathlib").Path("f.json"))
+
+
+def _measuring_refused_alike(refusing_ranks: list[int]) -> dict:
+    """``pick_measured`` over two layouts whose second raises the same refusal on ``refusing_ranks``, before any of
+    its collectives; what it returned and what rank 0 printed."""
+    import io
+    from contextlib import redirect_stdout
+
+    import torch.distributed as dist
+
+    from examples.gpt import GPTModule
+    from lightning_par3d.distributed.groups import init_default_group
+    from lightning_par3d.engine import measure
+    from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
+    from tests.constants import MODEL
+
+    device = torch.device("cpu")
+    init_default_group(device, 120.0)
+    config, split = Par3DConfig(timeout_s=120), BatchSplit(4, 2)
+    candidates = [candidate_from(config, {"dp_replicate": 2, "dp_shard": 1}, split, 0.1, "A"),
+                  candidate_from(config, {"dp_shard": 2}, split, 0.1, "B")]  # fmt: skip
+    tokens = torch.randint(0, 65, (2, MODEL["block_size"] + 1))
+    sample = measure.MeasureWith(meta_copy(GPTModule(**MODEL)), (tokens[:, :-1], tokens[:, 1:]))
+    original = measure.measure_step
+
+    def refuse_b(candidate: object, *args: object) -> float:
+        if getattr(candidate, "name", "") == "B" and dist.get_rank() in refusing_ranks:
+            raise TypeError("training_step needs a Trainer here")
+        return original(candidate, *args)  # type: ignore[arg-type]
+
+    measure.measure_step = refuse_b  # type: ignore[assignment]
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed):
+            best, times = measure.pick_measured(candidates, sample, "32-true", device)
+    finally:
+        measure.measure_step = original
+    return {"best": best, "times": times, "printed": printed.getvalue()}
+
+
+def test_a_candidate_refused_alike_on_every_rank_falls_back_to_the_first_choice(pool2):
+    """Every rank raised the same error before any collective of the candidate: nobody waits, so measuring stops
+    and the run trains the first prediction, saying why. (A failure on one rank only ends the job:
+    ``tests/test_faults.py``'s "raise on rank 1 while layout='auto' measures".)"""
+    results = pool2.run(_measuring_refused_alike, refusing_ranks=[0, 1])
+    assert [(r["best"], r["times"]) for r in results] == [(0, None), (0, None)]
+    printed = results[0]["printed"]
+    assert "measuring B was refused alike on every rank (TypeError: training_step needs a Trainer here)" in printed
+    assert "training the planner's first choice, A." in printed

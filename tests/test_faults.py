@@ -65,6 +65,7 @@ class Case:
     kill_save: str = ""
 
 
+AUTO_MEASURING = dict(layout="auto", measure=2, plan_machine="h100-sxm-8")
 FAULTS = [  # each stall beside a tree that works: a stall's wait for the timeout leaves the CPU to the other case
     Case("stall rank 1, dp", dict(dp_shard=2), 2, "stall", 1),
     Case("kill rank 0, dp", dict(dp_shard=2), 2, "kill", 0),
@@ -74,6 +75,8 @@ FAULTS = [  # each stall beside a tree that works: a stall's wait for the timeou
     Case("kill rank 0, DDP", dict(dp_replicate=2), 2, "kill", 0),
     Case("kill rank 0, pp", dict(pp=2), 2, "kill", 0),
     Case("raise on rank 1 in one step", dict(dp_shard=2), 2, "raise", 1),
+    # Its peer waits in the second candidate's collectives: the job must end, not fall back (a profile: no calibration).
+    Case("raise on rank 1 while layout='auto' measures", AUTO_MEASURING, 2, "raise_measuring", 1),
 ]
 KILLED_SAVES = [
     Case(f"kill rank {r} {point}", dict(dp_shard=2), 2, "none", 0, kill_save=f"{r}:{point}")

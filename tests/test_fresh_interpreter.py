@@ -115,3 +115,30 @@ def test_without_fork_each_call_is_a_new_interpreter_of_its_own(new_interpreter,
     assert got["parent"] == os.getpid() and (got["tag"], got["cwd"], got["arg"]) == ("plain", str(tmp_path), "x")
     with pytest.raises(RuntimeError, match=r"its interpreter exited with code 3 and no result:\nlast words"):
         call(exit_without_result, what="the exit")
+
+
+def environment_value(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+@LINUX
+def test_the_request_file_holds_no_environment_is_private_and_is_removed(monkeypatch, new_interpreter):
+    """The child has the caller's environment, but the request file written for it carries only what changed since
+    its server started: a secret in the environment never reaches the disk. The file is 0600 and gone once read."""
+    fresh_interpreter.stop_server()
+    monkeypatch.setenv("PAR3D_TEST_SECRET", "s3cret-token")
+    written: list[tuple[Path, int, bytes]] = []
+    original = fresh_interpreter._write_request
+
+    def recorded(request: Path, *args: object) -> None:
+        original(request, *args)  # type: ignore[arg-type]
+        written.append((request, request.stat().st_mode & 0o777, request.read_bytes()))
+
+    monkeypatch.setattr(fresh_interpreter, "_write_request", recorded)
+    assert call(environment_value, "PAR3D_TEST_SECRET") == "s3cret-token"
+    monkeypatch.setenv("PAR3D_TEST_TAG", "changed after the server started")
+    assert call(environment_value, "PAR3D_TEST_TAG") == "changed after the server started"  # carried as a change
+    (first, mode, data), (_, _, second) = written
+    assert mode == 0o600 and b"s3cret-token" not in data and b"s3cret-token" not in second
+    assert b"changed after the server started" in second
+    assert not first.exists()

@@ -20,7 +20,7 @@ import torch
 from tests import background
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_reference
-from tests.launch import clean_env, free_port, start, wait_all
+from tests.launch import ROOT, clean_env, free_port, start, wait_all
 
 SCRIPT = "tests/multinode_script.py"
 NODES, PER_NODE = 2, 2
@@ -31,18 +31,25 @@ TORCHRUN_LAYOUTS: list[dict[str, Any]] = [
     {"tp": 4},  # tp across nodes: trains, with a warning
 ]
 SLURM_LAYOUTS: list[dict[str, Any]] = [{"dp_shard": 2, "tp": 2}]
+NODE_LOCAL_CHECKPOINTS = "checkpoints"
+"""The torchrun launch's last run checkpoints into this directory of each agent's own working directory."""
 
 
 def torchrun_agents(folder: Path) -> tuple[Path, list[tuple[int, str]]]:
     """Two torchrun agents (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on localhost), each in a session of
-    its own as two machines' agents would be."""
+    its own as two machines' agents would be, each in a working directory of its own (``folder/node<i>``): the
+    last run's checkpoint directory, in the working directory, is then a different directory on each "node", as a
+    node-local disk mounted at the same path would be."""
     port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=par3d-multinode", "--max-restarts=0",
-        SCRIPT, str(folder), json.dumps(TORCHRUN_LAYOUTS), str(NODES),
+        str(ROOT / SCRIPT), str(folder), json.dumps(TORCHRUN_LAYOUTS), str(NODES), NODE_LOCAL_CHECKPOINTS,
     ]  # fmt: skip
-    procs = {i: start(command, folder, i, clean_env()) for i in range(NODES)}
+    places = [folder / f"node{i}" for i in range(NODES)]
+    for place in places:
+        place.mkdir()
+    procs = {i: start(command, folder, i, clean_env(), cwd=places[i]) for i in range(NODES)}
     return folder, wait_all(procs, folder)
 
 
@@ -130,3 +137,21 @@ def test_ranks_started_as_slurm_starts_them_train_as_one_process_does(slurm_run)
     node = {p["rank"]: p["node"] for p in found}
     assert node == {r: r // PER_NODE for r in range(NODES * PER_NODE)}
     assert all(len(nodes_of(p["tp"], node)) == 1 for p in found)
+
+
+def test_a_checkpoint_directory_that_some_node_does_not_see_is_refused_before_training(torchrun_run):
+    """The last run of the torchrun launch checkpoints into ``checkpoints`` in each agent's working directory, at
+    one path (``/proc/self/cwd/checkpoints``): a disk of each node's own. Every rank refuses it at setup, naming the
+    directory and the node that does not see rank 0's file, before any step; rank 0's probe file is gone."""
+    folder, outcomes = torchrun_run
+    check_launch(outcomes)
+    said = [(folder / f"shared{rank}.txt").read_text() for rank in range(NODES * PER_NODE)]
+    for message in said:
+        assert f"The checkpoint directory /proc/self/cwd/{NODE_LOCAL_CHECKPOINTS} is" in message, message
+        assert "is not shared by every node: node 1 (" in message and "node 0 (" not in message, message
+        assert "Put the checkpoints on storage every node mounts at the same path" in message
+    written = [
+        p for i in range(NODES) if (d := folder / f"node{i}" / NODE_LOCAL_CHECKPOINTS).exists() for p in d.iterdir()
+    ]
+    assert written == [], written  # no checkpoint, and no probe left
+    assert not (folder / "trained_node_local").exists()

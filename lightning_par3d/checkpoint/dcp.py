@@ -6,27 +6,27 @@ front-end gives) and the optimizers (``optimizer_0``, …), each rank writing on
 by rank 0, holds everything else Lightning saves (loops, callbacks, hyper-parameters). It is the layout of
 Lightning's ``ModelParallelStrategy``, so Lightning's ``consolidate_checkpoint`` turns it into a single file.
 
-Saving is atomic from the user's point of view: every rank writes into a hidden staging directory next to the
-target (``.<name>.partial``), rank 0 writes ``meta.pt`` last, and only then is the staging directory renamed into
-place (an existing checkpoint of that name is first renamed to ``.<name>.old`` and removed after). A save killed
-at any moment leaves the previous checkpoint complete: at its name, or, killed between the two renames, at
-``.<name>.old``, from where :func:`resolve_checkpoint` takes it (and the next save puts it back). A directory
-without ``meta.pt`` is never taken for a checkpoint.
+Saving is atomic from the user's point of view (:mod:`~lightning_par3d.checkpoint.atomic`): rank 0 takes the
+path's save lock (a second job saving there fails clearly), every rank writes into a hidden staging directory of
+this save's own next to the target (``.<name>.partial-<token>``), rank 0 writes ``meta.pt`` last, and only then is
+the staging directory renamed into place (an existing checkpoint of that name is first renamed to ``.<name>.old``
+and removed after), the files and the parent directory flushed to disk. A save killed at any moment leaves the
+previous checkpoint complete: at its name, or, killed between the two renames, at ``.<name>.old``, from where
+:func:`resolve_checkpoint` takes it (and the next save puts it back). A directory without ``meta.pt`` is never
+taken for a checkpoint.
 
-Loading unpickles nothing arbitrary from the shards: DCP's ``.metadata`` is read with an unpickler that admits only
-DCP's own metadata classes, and non-tensor entries (optimizer hyper-parameters) with ``torch.load(...,
-weights_only=True)``. Only ``meta.pt``, Lightning's own loop and callback state, is read with the ``weights_only``
-the caller passes (Lightning's ``trainer.fit(..., weights_only=...)``; torch's default when None).
+Loading runs nothing in the checkpoint (:mod:`~lightning_par3d.checkpoint.safe_reading`): DCP's ``.metadata`` is
+read by an unpickler that resolves only the exact names of DCP's own metadata classes, tensors and non-tensor
+entries (optimizer hyper-parameters) with ``torch.load(..., weights_only=True)``, and ``meta.pt``, Lightning's own
+loop and callback state, with the ``weights_only`` the caller passes (Lightning's ``trainer.fit(...,
+weights_only=...)``; torch's default, ``True``, when None).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import itertools
 import logging
 import os
-import pickle
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -38,12 +38,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_par3d.checkpoint import atomic
+from lightning_par3d.checkpoint.safe_reading import (
+    DCP_METADATA,
+    UnsafeCheckpointError,
+    load_file,
+    load_shards,
+    read_metadata,
+)
+from lightning_par3d.distributed.agree import on_rank_zero
 from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back, put_back
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
 METADATA_FILENAME = "meta.pt"
 """Rank 0's file of everything but the model and optimizer tensors; written last, so it marks a complete save."""
-DCP_METADATA = ".metadata"
 
 
 def model_state(module: nn.Module) -> dict[str, Any]:
@@ -121,14 +129,6 @@ def _names(module: nn.Module) -> dict[torch.Tensor, str]:
 # ---------------------------------------------------------------- what is on disk
 
 
-def _staging(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
-
-
-def _previous(path: Path) -> Path:
-    return path.parent / f".{path.name}.old"
-
-
 def is_sharded_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a complete par3d checkpoint (DCP's metadata and ``meta.pt``, which is written last)."""
     return path.is_dir() and (path / DCP_METADATA).is_file() and (path / METADATA_FILENAME).is_file()
@@ -137,9 +137,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
 def resolve_checkpoint(path: Path) -> Path:
     """``path``, or, if a save was killed between putting the old checkpoint aside and the new one in place, the
     previous checkpoint it left at ``.<name>.old``."""
-    if not path.exists() and is_sharded_checkpoint(_previous(path)):
-        return _previous(path)
-    return path
+    return atomic.resolve(path, is_sharded_checkpoint)
 
 
 # ---------------------------------------------------------------- saving
@@ -152,8 +150,9 @@ class BackgroundSaves:
     them (``torch.distributed.checkpoint.async_save``, over :func:`~lightning_par3d.distributed.groups.
     checkpoint_group`). Rank 0 writes ``meta.pt`` into the staging directory at once; the staging directory takes
     the checkpoint's name only when every rank's shards are written (DCP's coordinator finishes after gathering every
-    rank's write), on DCP's thread. Until then the previous checkpoint stays at the name. The next save, a load,
-    and the end of training wait for the save in flight first (:meth:`wait`), and raise its error if it failed."""
+    rank's write), on DCP's thread, and rank 0 holds the path's :class:`~lightning_par3d.checkpoint.atomic.SaveLock`
+    until then. Until then the previous checkpoint stays at the name. The next save, a load, and the end of training
+    wait for the save in flight first (:meth:`wait`), and raise its error if it failed."""
 
     def __init__(self, group: Callable[[], Any]) -> None:
         self.group = group
@@ -164,22 +163,25 @@ class BackgroundSaves:
         self._after: list[Callable[[], None]] = []
         self._error: BaseException | None = None
 
-    def start(self, future: Any, staging: Path, path: Path, swap: bool) -> None:
-        """Follows ``future`` (this rank's part of a save into ``staging``); ``swap`` (rank 0): then puts the
-        staging directory in place at ``path``, and runs what :meth:`after_in_place` queued."""
+    def start(self, future: Any, staging: Path, path: Path, lock: atomic.SaveLock | None) -> None:
+        """Follows ``future`` (this rank's part of a save into ``staging``); with ``lock`` (rank 0, which holds the
+        path's save lock): then puts the staging directory in place at ``path``, frees the lock, and runs what
+        :meth:`after_in_place` queued."""
         self._future = future
         self._in_place.clear()
 
         def done(finished: Any) -> None:
             with self._lock:
                 try:
-                    if swap and finished.exception() is None:
+                    if lock is not None and finished.exception() is None:
                         _swap_into_place(staging, path)
                         for then in self._after:
                             then()
                 except BaseException as error:  # concurrent.futures drops what a done-callback raises: keep it
                     self._error = error
                 finally:
+                    if lock is not None:
+                        lock.release()
                     self._after.clear()
                     self._in_place.set()
 
@@ -216,14 +218,15 @@ def save_sharded(
     tensors: dict[str, Any],
     metadata: dict[str, Any],
     rank: int,
-    barrier: Callable[[], None],
     per_rank: Callable[[Path], None] | None = None,
     background: BackgroundSaves | None = None,
 ) -> None:
     """Writes ``tensors`` with DCP (every rank its own shards) and ``metadata`` with ``torch.save`` (rank 0), into a
-    staging directory that then replaces ``path`` (see the module docstring); ``per_rank(staging)`` writes each
-    rank's own files first. With ``background``, the shards are written by a thread and the staging directory takes
-    ``path`` when they are all written (:class:`BackgroundSaves`). Every rank must call it."""
+    staging directory of this save's own that then replaces ``path`` (:mod:`~lightning_par3d.checkpoint.atomic`:
+    rank 0 holds the path's save lock throughout, so another job saving to it fails clearly, on every rank);
+    ``per_rank(staging)`` writes each rank's own files first. With ``background``, the shards are written by a
+    thread and the staging directory takes ``path`` when they are all written (:class:`BackgroundSaves`). Every
+    rank must call it; an error of rank 0's (the lock, the staging directory, the swap) is raised on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -231,32 +234,48 @@ def save_sharded(
         raise FileExistsError(f"{path} is a file; a par3d checkpoint is a directory. Remove it or choose another path.")
     if background is not None:
         background.wait()  # one save at a time: the previous one whole and in place first
-    staging = _staging(path)
-    if rank == 0:
-        _restore_previous(path)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    barrier()
-    if per_rank is not None:  # before DCP's save, whose collectives order it before rank 0's meta.pt
-        per_rank(staging)
-    swapped = contiguous_copies(tensors)  # packed projections' interleaved shards, as contiguous blocks
+    lock = atomic.SaveLock(path) if rank == 0 else None
+    staging = Path(on_rank_zero(lambda: _begin(path, lock), (atomic.CheckpointInUse,)))
     try:
-        if background is not None:  # DCP copies the shards to CPU memory before it returns
-            group = background.group()
-            future = dcp.async_save(tensors, storage_writer=FileSystemWriter(staging), process_group=group)
-        else:
-            dcp.save(tensors, storage_writer=FileSystemWriter(staging))
-    finally:
-        put_back(swapped)
-    if background is not None:
-        if rank == 0:
+        if per_rank is not None:  # before DCP's save, whose collectives order it before rank 0's meta.pt
+            per_rank(staging)
+        swapped = contiguous_copies(tensors)  # packed projections' interleaved shards, as contiguous blocks
+        try:
+            if background is not None:  # DCP copies the shards to CPU memory before it returns
+                group = background.group()
+                future = dcp.async_save(tensors, storage_writer=FileSystemWriter(staging), process_group=group)
+            else:
+                dcp.save(tensors, storage_writer=FileSystemWriter(staging))
+        finally:
+            put_back(swapped)
+        if background is not None:
+            if rank == 0:
+                _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
+            background.start(future, staging, path, lock)
+            lock = None  # the background save frees it once in place
+            return
+
+        def finish() -> None:
             _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
-        background.start(future, staging, path, swap=rank == 0)
-        return
-    if rank == 0:
-        _write_file(staging / METADATA_FILENAME, lambda f: torch.save(metadata, f))
-        _swap_into_place(staging, path)
-    barrier()
+            _swap_into_place(staging, path)
+
+        on_rank_zero(finish)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _begin(path: Path, lock: atomic.SaveLock | None) -> str:
+    """Rank 0's start of a save: the path's lock, what killed saves of it left removed, a previous checkpoint an
+    interrupted swap left aside put back, and the staging directory made. Returns the staging directory."""
+    assert lock is not None
+    lock.acquire()
+    for leftover in atomic.leftovers(path):
+        shutil.rmtree(leftover, ignore_errors=True)
+    _restore_previous(path)
+    staging = atomic.staging_name(path)
+    staging.mkdir(parents=True)
+    return str(staging)
 
 
 def _write_file(path: Path, write: Callable[[Any], None]) -> None:
@@ -270,12 +289,7 @@ def _write_file(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def _swap_into_place(staging: Path, path: Path) -> None:
-    previous = _previous(path)
-    shutil.rmtree(previous, ignore_errors=True)
-    if path.exists():
-        os.rename(path, previous)
-    os.rename(staging, path)
-    shutil.rmtree(previous, ignore_errors=True)
+    atomic.swap_into_place(staging, path)
 
 
 def restore_previous_checkpoints(directory: Path) -> list[Path]:
@@ -297,13 +311,12 @@ def restore_previous_checkpoints(directory: Path) -> list[Path]:
 
 def _restore_previous(path: Path) -> None:
     """Puts back a previous checkpoint that a killed save left aside."""
-    if not path.exists() and is_sharded_checkpoint(_previous(path)):
-        os.rename(_previous(path), path)
+    atomic.restore_previous(path, is_sharded_checkpoint)
 
 
 def remove_checkpoint(path: Path) -> None:
     """Removes a checkpoint directory (or file) and whatever an interrupted save of it left behind."""
-    for candidate in (path, _staging(path), _previous(path)):
+    for candidate in (path, *atomic.leftovers(path), atomic.previous_name(path)):
         if candidate.is_dir():
             shutil.rmtree(candidate, ignore_errors=True)
         elif candidate.exists():
@@ -326,7 +339,6 @@ def load_sharded(
     in the checkpoint to it. The checkpoint is checked first, on every rank (:func:`check_checkpoint`): a missing,
     truncated or foreign checkpoint raises the same ``ValueError`` everywhere instead of failing inside a
     collective."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     path = resolve_checkpoint(path)
@@ -335,7 +347,7 @@ def load_sharded(
         state[key] = optimizer_state(module, optimizer, for_loading=True)
     metadata = check_checkpoint(path, {model_key: state[model_key]}, strict, weights_only)
     swapped = contiguous_copies(state)  # packed projections' interleaved shards, as contiguous blocks
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=_SafeLoadPlanner())
+    load_shards(state, path)
     copy_back(swapped)
     set_model_state_dict(module, state[model_key], options=StateDictOptions(strict=strict))
     for key, optimizer in optimizers.items():
@@ -371,7 +383,7 @@ def _local_problems(
 ) -> tuple[list[str], dict[str, Any]]:
     if not path.is_dir():
         what = "a file" if path.exists() else "no such directory"
-        hint = "; a save of it was interrupted" if _staging(path).exists() else ""
+        hint = "; a save of it was interrupted" if atomic.leftovers(path) else ""
         return [f"{path} is not a par3d checkpoint ({what}{hint}). Pass the directory that par3d saved."], {}
     if not (path / DCP_METADATA).is_file():
         return [f"{path} is not a par3d checkpoint: {DCP_METADATA} (torch.distributed.checkpoint's) is missing."], {}
@@ -379,17 +391,18 @@ def _local_problems(
         return [f"{path / METADATA_FILENAME} is missing: the save of {path} did not complete."], {}
     try:
         dcp_metadata = read_metadata(path)
+    except UnsafeCheckpointError as err:
+        return [f"{path / DCP_METADATA} was refused, and nothing of it was run: {err}"], {}
     except Exception as err:
+        if isinstance(err, EOFError) or "truncated" in str(err):
+            return [f"{path / DCP_METADATA} is truncated: the save that wrote it did not complete."], {}
         return [f"{path / DCP_METADATA} cannot be read ({type(err).__name__}: {err}); the file is damaged."], {}
     problems = _shard_file_problems(path, dcp_metadata) + _key_problems(path, dcp_metadata, expected, strict)
     metadata: dict[str, Any] = {}
     try:
-        metadata = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
-    except Exception as err:
-        problems.append(
-            f"{path / METADATA_FILENAME} cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]}); "
-            "the file is damaged or truncated."
-        )
+        metadata = load_file(path / METADATA_FILENAME, weights_only)
+    except ValueError as err:
+        problems.append(str(err))
     return problems, metadata
 
 
@@ -432,100 +445,3 @@ def _key_problems(path: Path, metadata: Any, expected: dict[str, dict[str, Any]]
             f"{'; '.join(mismatched[:3])}): it is another model's checkpoint."
         )
     return problems
-
-
-# ---------------------------------------------------------------- reading without arbitrary unpickling
-
-
-_METADATA_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch", "memory_format"),
-    ("torch.serialization", "_get_layout"),  # torch.strided and friends, by name (torch's weights_only allows it)
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "Path"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``: its own dataclasses, torch dtypes, sizes and paths, and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata; refusing to load it.")
-
-
-def read_metadata(path: Path) -> Any:
-    """DCP's metadata of the checkpoint at ``path``, read without running arbitrary code."""
-    with open(path / DCP_METADATA, "rb") as f:
-        return _MetadataUnpickler(f).load()
-
-
-def _safe_reader_class() -> type:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class _SafeFileSystemReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata = read_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _SafeFileSystemReader
-
-
-def SafeFileSystemReader(path: Path) -> Any:
-    """DCP's ``FileSystemReader`` whose metadata is read by :func:`read_metadata`."""
-    return _safe_reader_class()(path)
-
-
-def _SafeLoadPlanner() -> Any:
-    """DCP's default load planner, with non-tensor entries read by ``torch.load(..., weights_only=True)``."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class _Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                _set_at_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return _Planner()
-
-
-def _set_at_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
-    """Puts ``value`` in the nested state dict ``root`` at ``path`` (keys of dicts, indices of lists, as DCP's
-    flattening mappings give them), creating the containers on the way: a dict before a string key, a list (grown
-    with ``None``) before an index. What ``DefaultLoadPlanner.load_bytes`` does with a private helper of DCP."""
-    container: Any = root
-    for key, following in itertools.pairwise(path):
-        empty: Any = {} if isinstance(following, str) else []
-        if isinstance(container, dict):
-            container = container.setdefault(key, empty)
-        else:
-            assert isinstance(key, int), f"a list indexed by {key!r} in the path {path}"
-            container.extend([None] * (key + 1 - len(container)))
-            if container[key] is None:
-                container[key] = empty
-            container = container[key]
-    last = path[-1]
-    if isinstance(last, int):
-        container.extend([None] * (last + 1 - len(container)))
-    container[last] = value

@@ -177,10 +177,10 @@ def write_pretrained(config: Any, weights: dict[str, torch.Tensor], directory: s
 def read_checkpoint_model(path: str | Path, key: str = "state_dict") -> dict[str, torch.Tensor]:
     """The whole model of a par3d checkpoint directory (any layout), as full tensors in this process, without a
     process group and without unpickling anything but DCP's metadata classes."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_par3d.checkpoint.dcp import SafeFileSystemReader, read_metadata, resolve_checkpoint
+    from lightning_par3d.checkpoint.dcp import resolve_checkpoint
+    from lightning_par3d.checkpoint.safe_reading import load_shards, read_metadata
 
     path = resolve_checkpoint(Path(path))
     head = f"{key}."
@@ -193,7 +193,7 @@ def read_checkpoint_model(path: str | Path, key: str = "state_dict") -> dict[str
         raise ValueError(f"{path} has no '{key}' entries: pass the key the model was saved under (Fabric: 'model').")
     with warnings.catch_warnings():  # that it reads in this one process is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({key: tensors}, storage_reader=SafeFileSystemReader(path), no_dist=True)
+        load_shards({key: tensors}, path, no_dist=True)
     return tensors
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from lightning_par3d.checkpoint.safe_reading import load_file
+
 RNG_DIR = "rng"
 SAVED_AT = "par3d_rng_saved_at"
 """The metadata entry naming the layout (and world size) whose ranks wrote the checkpoint's streams."""
@@ -100,5 +102,5 @@ def load(directory: Path, rank: int, saved: str | None, current: str, device: to
                 stacklevel=3,
             )
         return False
-    restore(torch.load(path, map_location="cpu", weights_only=True), device)
+    restore(load_file(path, weights_only=True), device)
     return True

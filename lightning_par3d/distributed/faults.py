@@ -75,6 +75,11 @@ def _key(name: str) -> str:
     return f"par3d/run{_RUN[0]}/{name}"
 
 
+def run_key(name: str) -> str:
+    """A key of the job's store that is this run's own (see the module docstring), for ``name``."""
+    return _key(name)
+
+
 def note_step(rank: int, step: int) -> None:
     """Records that ``rank`` is starting ``step`` (read only when something fails)."""
     store = _store()

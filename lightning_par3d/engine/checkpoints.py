@@ -66,7 +66,6 @@ def save(
     tensors: dict[str, Any],
     metadata: dict[str, Any],
     rank: int,
-    barrier: Callable[[], None],
     streams: tuple[str, torch.device] | None = None,
     background: dcp.BackgroundSaves | None = None,
 ) -> None:
@@ -81,7 +80,7 @@ def save(
         def per_rank(directory: Path) -> None:
             rng.write(directory, rank, streams[1])
 
-    dcp.save_sharded(Path(path), tensors, metadata, rank, barrier, per_rank, background)
+    dcp.save_sharded(Path(path), tensors, metadata, rank, per_rank, background)
 
 
 def background_saves(async_save: bool, timeout_s: float) -> dcp.BackgroundSaves | None:

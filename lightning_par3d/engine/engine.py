@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
+from lightning_par3d.distributed.agree import check_directory_is_shared
 from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.processes import Processes
@@ -65,6 +66,7 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
+        self._shared_directories: set[Path] = set()
         self.background = checkpoints.background_saves(config.async_save, config.timeout_s)
         """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
 
@@ -310,10 +312,21 @@ class Par3DEngine(Processes):
         """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
         (their :meth:`optimizer_state`, by name, or ``optimizer_0``, … for a list) with DCP, ``metadata`` (rank 0's),
         and (``streams``) each rank's random generators, atomically. Every rank must call it."""
+        self.check_checkpoint_directory(Path(path).parent)
         tensors = {model_key: self.model_state() if model_state is None else model_state}
         tensors.update(checkpoints.by_key(optimizer_states))
         where = (checkpoints.saved_at(self.layout), self.device) if streams else None
-        checkpoints.save(path, tensors, metadata, self.rank, self.barrier, where, self.background)
+        checkpoints.save(path, tensors, metadata, self.rank, where, self.background)
+
+    def check_checkpoint_directory(self, directory: str | Path) -> None:
+        """On more than one node, that every node sees ``directory`` as rank 0 does (a probe file), once per
+        directory (and not for one inside a directory checked before), before the first save into it;
+        ``ValueError`` on every rank naming the nodes that do not. Every rank must call it
+        (:func:`~lightning_par3d.distributed.agree.check_directory_is_shared`)."""
+        resolved = Path(directory).absolute()
+        if not ({resolved, *resolved.parents} & self._shared_directories):  # within a checked one: shared too
+            check_directory_is_shared(resolved, self.devices_per_node)
+            self._shared_directories.add(resolved)
 
     def load(
         self,

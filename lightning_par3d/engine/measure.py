@@ -20,15 +20,18 @@ that re-predicts the other fitting layouts rank 0 sent beside them; one those fa
 measured (by 5 %) is measured too (:func:`measure_learned`).
 
 A step's time is the slowest rank's: ``accumulate`` forward and backward passes and one optimizer step, the first
-``warmup`` steps dropped, the median of the rest. A candidate that fails to run (a model whose ``training_step``
-needs a Trainer, say) fails on every rank alike; measuring then stops, rank 0 says why, and the run takes the
-planner's first choice.
+``warmup`` steps dropped, the median of the rest. A candidate that fails to run alike on every rank (a model whose
+``training_step`` needs a Trainer, say) stops measuring: rank 0 says why, and the run takes the planner's first
+choice. A candidate that fails on some ranks only ends the job, naming the rank and the cause (its peers may be
+waiting in the candidate's collectives; falling back would leave them waiting until ``timeout_s``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import itertools
 import json
 import os
 import random
@@ -43,6 +46,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Par3DConfig
+from lightning_par3d.distributed import faults
+from lightning_par3d.distributed.agree import same_refusal
 from lightning_par3d.engine.trial import build_step, module_optimizers, to_device
 from lightning_par3d.planning.at_launch import (
     BatchSplit,
@@ -88,8 +93,9 @@ def choose(
     calibrate: Callable[[], Any],
     accumulate: int | None,
 ) -> Candidate:
-    """The layout to train with (every rank): the choice measured before for the same job (model class, world,
-    global batch, sequence, precision, devices, pinned settings) where ``sample.cache`` keeps one; else the
+    """The layout to train with (every rank): the choice measured before for the same job (:func:`job_record`: the
+    model's class, parameters and config, world, global batch, sequence, precision, devices, pinned settings) where
+    ``sample.cache`` keeps one; else the
     planner's ``measure`` fastest (:func:`~lightning_par3d.planning.at_launch.choose_at_launch`), measured here
     where ``sample`` is given (and the choice kept), else its fastest."""
     if sample is None and config.measure:
@@ -100,8 +106,8 @@ def choose(
         )
     count = measure_count(config) if sample is not None else 1
     global_batch = global_batch_of(config, rank_batch, world_size, accumulate or 1)
-    key = _job_key(config, sample, world_size, global_batch, seq_len, precision, device) if sample else ""
-    kept = _rank0_reads(sample.cache, key) if sample is not None and sample.cache is not None and count > 1 else None
+    record = job_record(config, sample, world_size, global_batch, seq_len, precision, device) if sample else {}
+    kept = _rank0_reads(sample.cache, record) if sample is not None and sample.cache is not None and count > 1 else None
     if kept is not None and sample is not None:
         if dist.get_rank() == 0:
             print(
@@ -122,11 +128,11 @@ def choose(
         reserve = [c for c in found if c.reserve]
         best = measure_learned(candidates, times, best, reserve, sample, precision, device)
     if times is not None and sample.cache is not None and dist.get_rank() == 0:
-        _keep(sample.cache, key, candidates, times, best)
+        _keep(sample.cache, record, candidates, times, best)
     return candidates[best]
 
 
-def _job_key(
+def job_record(
     config: Par3DConfig,
     sample: MeasureWith,
     world_size: int,
@@ -134,42 +140,100 @@ def _job_key(
     seq_len: int,
     precision: str,
     device: torch.device,
-) -> str:
-    """What makes a measured choice this job's: the model's class, the world, the batch, the precision, the
-    devices (a GPU's name; a CPU's core count) and the settings the user pinned."""
+) -> dict[str, str]:
+    """What decides a job's layout, field by field: the model (its class, a digest of its parameters' and buffers'
+    names, shapes and dtypes, a digest of its config where it has one: a transformers ``config``, a
+    LightningModule's ``hparams``), the world, the global batch, the sequence length, the precision, the devices (a
+    GPU's name; a CPU's core count) and the settings the user pinned. A kept choice is reused only where every field
+    is the same: a model with another ``n_layer`` or width, same class or not, is planned again."""
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu×{os.cpu_count()}"
-    model = f"{type(sample.module).__module__}.{type(sample.module).__qualname__}"
-    pinned = sorted((k, repr(v)) for k, v in fixed_settings(config).items())
-    return f"{model} world={world_size} batch={global_batch}x{seq_len} {precision} {kind} pinned={pinned}"
+    module = sample.module
+    return {
+        "model": f"{type(module).__module__}.{type(module).__qualname__}",
+        "parameters": _digest(
+            [(name, tuple(t.shape), str(t.dtype)) for name, t in [*module.named_parameters(), *module.named_buffers()]]
+        ),
+        "config": _digest(_model_config(module)),
+        "world": str(world_size),
+        "global_batch": str(global_batch),
+        "seq_len": str(seq_len),
+        "precision": precision,
+        "device": kind,
+        "pinned": repr(sorted((k, repr(v)) for k, v in fixed_settings(config).items())),
+    }
 
 
-def _rank0_reads(path: Path, key: str) -> dict[str, Any] | None:
-    """Rank 0's kept choice for ``key`` (None: none), on every rank."""
+def _model_config(module: nn.Module) -> Any:
+    """The model's own description, where it has one: the first transformers ``config`` in it (``to_dict``), and a
+    LightningModule's ``hparams``."""
+    found: dict[str, Any] = {}
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        found["hparams"] = dict(hparams)
+    for sub in module.modules():
+        to_dict = getattr(getattr(sub, "config", None), "to_dict", None)
+        if callable(to_dict):
+            found["config"] = to_dict()
+            break
+    return found
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _key(record: dict[str, str]) -> str:
+    return json.dumps(record, sort_keys=True)
+
+
+def _rank0_reads(path: Path, record: dict[str, str]) -> dict[str, Any] | None:
+    """Rank 0's kept choice for the job ``record`` (None: none; then rank 0 says why, where the file keeps choices
+    of other jobs), on every rank."""
     found: list[Any] = [None]
     if dist.get_rank() == 0 and path.is_file():
         try:
-            found[0] = json.loads(path.read_text()).get(key)
+            kept = json.loads(path.read_text())
         except (OSError, ValueError):
-            found[0] = None  # unreadable: measure again, and write it anew
+            kept = {}  # unreadable: measure again, and write it anew
+        found[0] = kept.get(_key(record))
+        if found[0] is None and kept:
+            print(f"par3d layout='auto': {why_not_kept(kept, record, path)}; planning again.", flush=True)
     dist.broadcast_object_list(found, src=0)
     return found[0]
 
 
-def _keep(path: Path, key: str, candidates: list[Candidate], times: list[float], best: int) -> None:
+def why_not_kept(kept: dict[str, Any], record: dict[str, str], path: Path) -> str:
+    """Why none of the choices ``kept`` in ``path`` serves the job ``record``: what differs from the nearest one."""
+    records: list[dict[str, str]] = [
+        entry["job"] for entry in kept.values() if isinstance(entry, dict) and isinstance(entry.get("job"), dict)
+    ]
+    if not records:
+        return f"the choices kept in {path} are from an earlier par3d that keyed them on the model's class only"
+    nearest = min(records, key=lambda other: sum(other.get(k) != v for k, v in record.items()))
+    differ = [k for k, v in record.items() if nearest.get(k) != v]
+    shown = ", ".join(
+        f"the model's {k}" if k in ("parameters", "config") else f"{k} {nearest.get(k)} → {record[k]}" for k in differ
+    )
+    return f"the choices kept in {path} are for other jobs: the nearest differs in {shown}"
+
+
+def _keep(path: Path, record: dict[str, str], candidates: list[Candidate], times: list[float], best: int) -> None:
     """Rank 0 adds this job's measured choice to ``path`` (written whole, then renamed into place)."""
     try:
         kept = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         kept = {}
-    kept[key] = {
+    kept[_key(record)] = {
         "name": candidates[best].name,
         "arguments": layout_arguments(candidates[best].config),
         "split": [candidates[best].split.rank_batch, candidates[best].split.accumulate],
         "measured": [[c.name, c.predicted_s, t] for c, t in zip(candidates, times, strict=True)],
         "when": time.strftime("%Y-%m-%d %H:%M"),
+        "job": record,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     partial.write_text(json.dumps(kept, indent=1))
     partial.replace(path)
 
@@ -179,27 +243,68 @@ def pick_measured(
 ) -> tuple[int, list[float] | None]:
     """Measures ``candidates`` (every rank at once) and returns the index of the fastest and every candidate's
     time; rank 0 prints the predicted and measured step of each and what measuring cost. Falls back to 0 (the
-    planner's first, and no times) where measuring fails."""
+    planner's first, and no times) where every rank refused a candidate alike; a failure on some ranks only ends
+    the job (:func:`measure_or_refuse`)."""
     states = _rng_states()
     started = time.perf_counter()
     times: list[float] = []
+    step = faults.run_key(f"measure{next(_MEASURING)}")
     try:
-        for candidate in candidates:
-            times.append(measure_step(candidate, sample, precision, device))
-    except Exception as error:  # the run goes on with the prediction; rank 0 says why
-        if dist.get_rank() == 0:
-            print(
-                f"par3d layout='auto': measuring {candidates[len(times)].name} failed ({type(error).__name__}: "
-                f"{error}); training the planner's first choice, {candidates[0].name}.",
-                flush=True,
-            )
-        return 0, None
+        for index, candidate in enumerate(candidates):
+            took = measure_or_refuse(candidate, sample, precision, device, f"{step}/{index}")
+            if took is None:
+                if dist.get_rank() == 0:
+                    print(
+                        f"par3d layout='auto': training the planner's first choice, {candidates[0].name}.", flush=True
+                    )
+                return 0, None
+            times.append(took)
     finally:
         _restore_rng(states)
     best = min(range(len(times)), key=times.__getitem__)
     if dist.get_rank() == 0:
         print(describe_measured(candidates, times, best, time.perf_counter() - started), flush=True)
     return best, times
+
+
+_MEASURING = itertools.count()
+"""This process's measurings: each one's keys in the job's store are its own (every rank counts alike)."""
+AGREE_S = 10.0
+"""How long a rank whose candidate failed waits for the other ranks to say whether theirs failed alike (at most half
+the timeout, so that it says why before its peers' collectives time out). Ranks that refuse alike do so at the same
+point of the same code, within a fraction of a second of each other."""
+
+
+def measure_or_refuse(
+    candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device, key: str
+) -> float | None:
+    """``candidate``'s :func:`measure_step`; None where every rank raised the same error (a refusal that holds on
+    every rank, such as a ``training_step`` that needs a Trainer: rank 0 says why, and measuring stops cleanly).
+    Where it failed on some ranks only, or differently, the peers of a failed rank may be waiting in the
+    candidate's collectives: the failed rank raises ``RuntimeError`` naming itself and the cause at once (within
+    :data:`AGREE_S`, or half the timeout if shorter), which ends the job through the front-end's failure handling,
+    instead of falling back while its peers wait until ``timeout_s``."""
+    error: Exception | None = None
+    try:
+        took = measure_step(candidate, sample, precision, device)
+    except Exception as raised:
+        error = raised
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wait_s = min(AGREE_S, candidate.config.timeout_s / 2)
+    if same_refusal(key, rank, world, error, wait_s):
+        if rank == 0:
+            print(
+                f"par3d layout='auto': measuring {candidate.name} was refused alike on every rank "
+                f"({type(error).__name__}: {error}); measuring stops.",
+                flush=True,
+            )
+        return None
+    if error is not None:
+        raise RuntimeError(
+            f"layout='auto': measuring {candidate.name} failed on rank {rank} ({type(error).__name__}: {error}), and "
+            "not alike on every rank: the other ranks may be waiting in its collectives. Ending the job."
+        ) from error
+    return took
 
 
 def measure_learned(
@@ -229,13 +334,11 @@ def measure_learned(
     states = _rng_states()
     started = time.perf_counter()
     try:
-        took = measure_step(extra, sample, precision, device)
-    except Exception as error:  # the run goes on with the fastest measured; rank 0 says why
-        if dist.get_rank() == 0:
-            print(f"par3d layout='auto': measuring {extra.name} failed ({type(error).__name__}: {error}).", flush=True)
-        return best
+        took = measure_or_refuse(extra, sample, precision, device, faults.run_key(f"measure{next(_MEASURING)}"))
     finally:
         _restore_rng(states)
+    if took is None:  # refused alike on every rank: the run goes on with the fastest measured
+        return best
     candidates.append(extra)
     times.append(took)
     fastest = min(range(len(times)), key=times.__getitem__)

@@ -155,6 +155,10 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         # must not be cast after sharding.
         module = self.lightning_module
         assert module is not None
+        for callback in trainer.checkpoint_callbacks:  # every node sees it, before training rather than at a load
+            directory = getattr(callback, "dirpath", None)
+            if directory and trainer.state.fn == TrainerFn.FITTING:
+                self.engine.check_checkpoint_directory(directory)
         if self.engine.awaits_layout:  # Lightning's own resolution of the training data
             loader = trainer.fit_loop._data_source.dataloader()
             sample = measure_with(self.engine.config, self._plan_copy, loader, None, trainer.default_root_dir)

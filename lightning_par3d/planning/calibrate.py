@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -68,13 +67,19 @@ def calibrate(
     started = time.perf_counter()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
+    # The workers' store, hosted here on a port the OS assigns and this process keeps bound until they are done (a
+    # port found free and released first could be taken by another process before the workers bind it).
+    store = dist.TCPStore(
+        "127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
     mp.start_processes(
         _worker,
-        args=(n, _free_port(), backend, seconds, timeout_s, results),
+        args=(n, store.port, backend, seconds, timeout_s, results),
         nprocs=n,
         join=True,
         start_method="spawn",
     )
+    del store
     measured: dict[str, Any] = results.get()
     measured["calibration_s"] = time.perf_counter() - started
     return _machine(measured, n, backend, f"calibrated ({n} {backend} processes, {cores} cores)", inter_node)
@@ -192,12 +197,6 @@ def pipeline_action_seconds(step_s: float, pp: int, link: Link, op_s: float, sta
     return (low + high) / 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _fit_link(samples: list[tuple[str, float, float]], n: int) -> Link:
     """α and β of the ring formulas, fitted to (collective, bytes, seconds) samples by least squares relative to
     each time."""
@@ -224,9 +223,9 @@ def _worker(rank: int, n: int, port: int, backend: str, seconds: float, timeout_
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=timeout_s)
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timeout)  # the caller's
+    dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=timeout)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

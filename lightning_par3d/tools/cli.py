@@ -1,9 +1,10 @@
 """``par3d``: the command line (installed with the package; also ``python -m lightning_par3d``).
 
-    par3d plan       which layout to train with, ranked for a world of devices (nothing launched)
-    par3d dry-run    a training step of chosen ranks of any layout, here, over a fake process group
-    par3d smoke      a few steps of your model at a layout against data parallelism, for CI (exit 0/1/2)
-    par3d export-hf  a par3d checkpoint of a transformers model → a save_pretrained directory
+    par3d plan         which layout to train with, ranked for a world of devices (nothing launched)
+    par3d dry-run      a training step of chosen ranks of any layout, here, over a fake process group
+    par3d smoke        a few steps of your model at a layout against data parallelism, for CI (exit 0/1/2)
+    par3d export-hf    a par3d checkpoint of a transformers model → a save_pretrained directory
+    par3d consolidate  a par3d checkpoint → one file torch.load reads (nothing in it is run)
 
 ``par3d <command> --help`` shows each command's options and an example. Training itself is the Lightning Trainer,
 Fabric or Accelerate with the par3d strategy, or the Hydra app (``python examples/train.py``).
@@ -39,12 +40,19 @@ def _export_hf(argv: list[str]) -> int:
     return main(argv)
 
 
+def _consolidate(argv: list[str]) -> int:
+    from lightning_par3d.tools.consolidate_command import main
+
+    return main(argv)
+
+
 HELP = """par3d: the command line of lightning_par3d (also: python -m lightning_par3d)
 
-  par3d plan       which layout to train with, ranked for a world of devices (nothing launched)
-  par3d dry-run    a training step of chosen ranks of any layout, here, over a fake process group
-  par3d smoke      a few steps of your model at a layout against data parallelism, for CI (exit 0/1/2)
-  par3d export-hf  a par3d checkpoint of a transformers model -> a save_pretrained directory
+  par3d plan         which layout to train with, ranked for a world of devices (nothing launched)
+  par3d dry-run      a training step of chosen ranks of any layout, here, over a fake process group
+  par3d smoke        a few steps of your model at a layout against data parallelism, for CI (exit 0/1/2)
+  par3d export-hf    a par3d checkpoint of a transformers model -> a save_pretrained directory
+  par3d consolidate  a par3d checkpoint -> one file torch.load reads (nothing in it is run)
 
 par3d <command> --help shows each command's options and an example."""
 
@@ -53,6 +61,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "dry-run": _dry_run,
     "smoke": _smoke,
     "export-hf": _export_hf,
+    "consolidate": _consolidate,
 }
 """Each subcommand, imported when it runs (``par3d --help`` imports no torch)."""
 

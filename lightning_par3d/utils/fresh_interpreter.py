@@ -66,10 +66,8 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "the call", timeout_s: 
         # par3d itself is found where this process found it, the folder holding lightning_par3d/ (the rest of
         # sys.path comes with the request); never lightning_par3d/ itself, whose accelerate.py would shadow the package.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-        request.write_bytes(
-            pickle.dumps({"sys_path": list(sys.path), "payload": payload, "env": env, "cwd": os.getcwd()})
-        )
-        code = _run(request, result, log, env, timeout_s, what)
+        ask = {"sys_path": list(sys.path), "payload": payload, "cwd": os.getcwd()}
+        code = _run(request, ask, result, log, env, timeout_s, what)
         if not result.exists():
             output = log.read_text(errors="replace") if log.exists() else ""
             tail = "\n".join(output.strip().splitlines()[-_STDERR_LINES:])
@@ -83,18 +81,24 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "the call", timeout_s: 
     raise RuntimeError(f"{what} failed:\n{trace}")
 
 
-def _run(request: Path, result: Path, log: Path, env: dict[str, str], timeout_s: float, what: str) -> int:
-    """Runs the request in a fork of the clean server (Linux) or a new interpreter; the child's exit code."""
+def _run(
+    request: Path, ask: dict[str, Any], result: Path, log: Path, env: dict[str, str], timeout_s: float, what: str
+) -> int:
+    """Runs the request ``ask`` in a fork of the clean server (Linux) or a new interpreter; the child's exit code.
+    The child gets ``env`` from its process (the server's environment, or the new interpreter's); the request file
+    carries only what differs from that (:func:`_write_request`)."""
     if sys.platform.startswith("linux"):
         with _LOCK:  # one call at a time per server
             for attempt in range(2):
                 server = _server(env)
+                _write_request(request, ask, server.env, env)
                 try:
                     return server.run(request, result, log, timeout_s, what)
                 except _ServerGone:
                     server.stop()
                     if attempt:
                         raise RuntimeError(f"{what}: the fresh-interpreter server ended unexpectedly") from None
+    _write_request(request, ask, env, env)
     command = [sys.executable, "-m", _MODULE, str(request), str(result)]
     with log.open("w") as output:
         try:
@@ -102,6 +106,19 @@ def _run(request: Path, result: Path, log: Path, env: dict[str, str], timeout_s:
         except subprocess.TimeoutExpired as err:
             raise RuntimeError(f"{what} did not finish within {timeout_s:g} s") from err
     return done.returncode
+
+
+def _write_request(request: Path, ask: dict[str, Any], inherited: dict[str, str], env: dict[str, str]) -> None:
+    """Writes the request file, readable by this user only (0600): the call, and of the environment only the
+    variables ``env`` sets or unsets beside ``inherited`` (what the child's process starts with), so that no
+    environment (tokens, keys) is copied to disk. The child removes it as soon as it has read it."""
+    changed = {k: v for k, v in env.items() if inherited.get(k) != v}
+    unset = [k for k in inherited if k not in env]
+    with contextlib.suppress(FileNotFoundError):
+        request.unlink()
+    fd = os.open(request, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pickle.dumps({**ask, "env_set": changed, "env_unset": unset}))
 
 
 # ---------------------------------------------------------------- the caller's side of the server
@@ -118,6 +135,8 @@ class _Server:
     def __init__(self, preload: tuple[str, ...], env: dict[str, str]) -> None:
         self.owner = os.getpid()
         self.preload = preload
+        self.env = dict(env)
+        """The environment the server (and so every child it forks) starts with."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", _MODULE, "--serve", *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
@@ -269,8 +288,11 @@ def _main(request_path: str, result_path: str) -> None:
     import cloudpickle
 
     request = pickle.loads(Path(request_path).read_bytes())
-    os.environ.clear()
-    os.environ.update(request["env"])
+    with contextlib.suppress(OSError):
+        os.unlink(request_path)  # read: nothing of the call stays on disk
+    for name in request["env_unset"]:
+        os.environ.pop(name, None)
+    os.environ.update(request["env_set"])
     os.chdir(request["cwd"])
     sys.path.extend(entry for entry in request["sys_path"] if entry not in sys.path)
     try:
