@@ -23,9 +23,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_par3d  # noqa: F401  (registers "par3d")
 from examples.data import ShakespeareDataModule
 from examples.gpt import GPTModule
-from lightning_par3d.utils.console import quiet_known_upstream_warnings
+from lightning_par3d import quiet_known_upstream_warnings
 
-quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.utils.console)
+quiet_known_upstream_warnings()  # Lightning's known noise (docs/api.md, "The console")
 
 TRAINER_DEFAULTS = {
     "max_steps": 200,

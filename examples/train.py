@@ -26,12 +26,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import lightning_par3d  # noqa: F401  (registers "par3d")
+from lightning_par3d import quiet_known_upstream_warnings
 from lightning_par3d.integrations.hydra import register_configs
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
-from lightning_par3d.utils.console import quiet_known_upstream_warnings
 
 register_configs()
-quiet_known_upstream_warnings()  # Lightning's known noise (lightning_par3d.utils.console)
+quiet_known_upstream_warnings()  # Lightning's known noise (docs/api.md, "The console")
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:

@@ -27,6 +27,7 @@ from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 from lightning_par3d.planning import calibrate, choose_layout, plan
 from lightning_par3d.registration import register_when_lightning_loads
 from lightning_par3d.tools.dry_run import dry_run
+from lightning_par3d.utils.console import quiet_known_upstream_warnings
 from lightning_par3d.zero.formula import ModelStateBytes
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
@@ -50,6 +51,7 @@ __all__ = [
     "model_state_bytes",
     "parallelize",
     "plan",
+    "quiet_known_upstream_warnings",
     "resolve_layout",
     "total_grad_norm",
 ]

@@ -268,12 +268,12 @@ def test_a_kept_choice_is_reused_only_for_the_same_model_not_the_same_class(pool
 
 def test_the_job_record_names_what_decides_the_layout():
     from examples.gpt import GPTModule
-    from lightning_par3d.engine.measure import MeasureWith, job_record, why_not_kept
+    from lightning_par3d.planning.layout_record import job_record, why_not_kept
     from tests.constants import MODEL
 
     def record(**model: object) -> dict[str, str]:
-        sample = MeasureWith(meta_copy(GPTModule(**{**MODEL, **model})), None)
-        return job_record(Par3DConfig(tp=2), sample, 4, 8, 32, "32-true", torch.device("cpu"))
+        module = meta_copy(GPTModule(**{**MODEL, **model}))
+        return job_record(Par3DConfig(tp=2), module, 4, 8, 32, "32-true", torch.device("cpu"))
 
     two, three, wider = record(), record(n_layer=3), record(n_embd=64)
     assert two == record()  # the same job

@@ -129,3 +129,33 @@ def test_a_compiled_runs_checkpoint_resumes_eagerly_at_another_layout_and_back(p
     losses = third[0]["losses"] + fourth["losses"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(whole["losses"][2:]), rtol=1e-4, atol=0)
     assert_parity({"losses": fourth["losses"], "params": fourth["params"]}, {**whole, "losses": whole["losses"][3:]})
+
+
+def fabric_setup_of_a_compiled_model() -> str:
+    """``fabric.setup(torch.compile(model))`` then a training step: what par3d says."""
+    import lightning as L
+
+    from examples.fabric_train import gpt_loss
+    from examples.gpt import GPT, GPT_TP_PLAN, GPTConfig
+    from lightning_par3d import Par3DFabricStrategy
+    from tests.fabric_runs import FABRIC_MODEL
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=Par3DFabricStrategy(pp=2, tp_plan=GPT_TP_PLAN))
+    fabric.launch()
+    with fabric.init_module():
+        model = GPT(GPTConfig(**FABRIC_MODEL))
+    model = fabric.setup(torch.compile(model, backend="eager"))
+    x = torch.randint(0, 256, (4, 32))
+    try:
+        fabric.strategy.train_step(model, x, x, gpt_loss)
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_fabric_setup_of_a_whole_compiled_model_is_refused_with_the_fix(pool2):
+    """Fabric compiles the whole module after par3d's setup, around the pipeline schedule, whose stages would run
+    uncompiled: refused, naming ``compile=True``, which compiles each block in place."""
+    for said in pool2.run(fabric_setup_of_a_compiled_model):
+        assert said.startswith("fabric.setup(torch.compile(model)) compiles the whole module after par3d"), said
+        assert "Par3DFabricStrategy(..., compile=True)" in said

@@ -290,3 +290,29 @@ def test_the_planner_counts_the_recompute_of_single_block_stages():
         [0],
         [0],
     ]
+
+
+def test_the_in_place_move_skip_is_the_building_threads_only():
+    """While the estimator builds a model, a ``.to()`` that changes nothing leaves the module as it is, in that
+    thread only: a user's other threads move modules as torch does, and ``nn.Module.to`` is torch's own after."""
+    import threading
+
+    from lightning_par3d.utils.torch_private import moves_in_place_skipped
+
+    torchs_own = torch.nn.Module.to
+    layer = torch.nn.Linear(2, 2)
+    applied: list[str] = []
+    original_apply = layer._apply
+
+    def counted(*args: object, **kwargs: object) -> object:
+        applied.append(threading.current_thread().name)
+        return original_apply(*args, **kwargs)  # type: ignore[arg-type]
+
+    layer._apply = counted  # type: ignore[method-assign]
+    with moves_in_place_skipped():
+        assert layer.to("cpu") is layer
+        user = threading.Thread(target=lambda: layer.to("cpu"), name="a user's thread")
+        user.start()
+        user.join()
+    assert applied == ["a user's thread"]
+    assert torch.nn.Module.to is torchs_own

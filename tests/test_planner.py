@@ -450,18 +450,21 @@ def test_calibrate_measures_this_machine():
 # ---------------------------------------------------------------- the command line
 
 
-def test_command_line_prints_the_ranked_table_and_plots(tmp_path, capsys):
+def test_command_line_prints_the_ranked_table_and_plots(tmp_path, capsys, monkeypatch):
     """``par3d plan`` from the Hydra app's model config (its arguments overridden), saying which model it built (its
-    entry point, as a user types it, runs in ``tests/test_docs.py``)."""
+    entry point, as a user types it, runs in ``tests/test_docs.py``); ``--plot`` without a file draws under
+    ``outputs/plans/`` of the working directory (which git ignores), never beside the user's files."""
     from lightning_par3d.tools.plan import main
 
-    png = tmp_path / "plan.png"
+    monkeypatch.chdir(tmp_path)
     code = main(
         ["--model-config", str(ROOT / "conf/model/gpt.yaml"),
          "--model-arg", "n_layer=2", "--model-arg", "n_embd=32", "--model-arg", "block_size=32",
          "--world-size", "4", "--devices-per-node", "4", "--memory", "1GiB", "--batch", "16", "--seq", "32",
-         "--profile", "a100-sxm4-8", "--fixed", "tp=2", "--plot", str(png)]
+         "--profile", "a100-sxm4-8", "--fixed", "tp=2", "--plot"]
     )  # fmt: skip
+    (png,) = (tmp_path / "outputs" / "plans").glob("plan-*.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
     params = sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_embd=32, block_size=32)).parameters())

@@ -5,7 +5,8 @@ every rank fails with a message about the timeout instead of the cause. Three st
 only, and each ends here:
 
 * :func:`on_rank_zero` — a step only rank 0 takes (a checkpoint's lock, staging directory and renames): its value
-  or its error, sent to every rank.
+  or its error, sent to every rank. :func:`on_rank_zero_for_long` is the same for a step that may outlast the
+  collectives' timeout (``layout="auto"``'s plan): the others wait for it on the job's store, as long as it may take.
 * :func:`check_directory_is_shared` — the checkpoint directory seen by every node (a probe file rank 0 writes),
   before the first save: on node-local disks each node would hold part of every checkpoint.
 * :func:`same_refusal` — a step that may fail on some ranks inside collectives (measuring a layout): decided
@@ -56,6 +57,27 @@ def on_rank_zero(work: Callable[[], T], kinds: tuple[type[BaseException], ...] =
         known = next((k for k in kinds if k.__name__ == kind), None)
         raise known(message) if known is not None else RankZeroError(kind, f"on rank 0 ({kind}): {message}")
     return outcome[0]
+
+
+def on_rank_zero_for_long(work: Callable[[], T], key: str, wait_s: float) -> T:
+    """``work()`` computed on rank 0 and its value sent to every rank through the default group's key-value store
+    under ``key`` (new for each call), where the other ranks wait up to ``wait_s``: for a step that may take longer
+    than the collectives' timeout, which a collective's wait would turn into a timeout on every other rank. What
+    ``work`` raises on rank 0 is rank 0's (its peers then time out on the store). Without a process group,
+    ``work()``."""
+    import pickle
+
+    from lightning_par3d.utils.torch_private import default_store
+
+    if not dist.is_initialized():
+        return work()
+    store = default_store()
+    if dist.get_rank() == 0:
+        value = work()
+        store.set(key, pickle.dumps(value))
+        return value
+    store.wait([key], timedelta(seconds=wait_s))
+    return pickle.loads(store.get(key))  # the job's own rank 0 wrote it, as broadcast_object_list would send it
 
 
 def check_directory_is_shared(directory: Path, devices_per_node: int) -> None:

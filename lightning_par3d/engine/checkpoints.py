@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_par3d.checkpoint import dcp, hf, rng
 from lightning_par3d.distributed import groups
+from lightning_par3d.distributed.agree import check_directory_is_shared
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.pipeline.trunk import PipelineHost
 
@@ -137,3 +138,21 @@ def after_saves(background: dcp.BackgroundSaves | None, then: Callable[[], None]
 def saved_at(layout: Any) -> str:
     """What a checkpoint records of the layout its random streams were saved at (:func:`rng.saved_at`)."""
     return rng.saved_at(str(layout), layout.world_size)
+
+
+class SharedDirectories:
+    """The checkpoint directories checked to be one directory on every node, on many nodes (a probe file rank 0
+    writes: :func:`~lightning_par3d.distributed.agree.check_directory_is_shared`). ``devices_per_node()``: the
+    launcher's, once the processes are set up."""
+
+    def __init__(self, devices_per_node: Callable[[], int]) -> None:
+        self.devices_per_node = devices_per_node
+        self.checked: set[Path] = set()
+
+    def check(self, directory: str | Path) -> None:
+        """Checks ``directory`` unless it, or a directory holding it, was checked before; raises ``ValueError`` on
+        every rank naming the nodes that do not see it. Every rank must call it, before the first save into it."""
+        resolved = Path(directory).absolute()
+        if not ({resolved, *resolved.parents} & self.checked):
+            check_directory_is_shared(resolved, self.devices_per_node())
+            self.checked.add(resolved)

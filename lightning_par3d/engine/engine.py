@@ -30,7 +30,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.distributed.agree import check_directory_is_shared
 from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.processes import Processes
@@ -66,7 +65,7 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
-        self._shared_directories: set[Path] = set()
+        self.checkpoint_directories = checkpoints.SharedDirectories(lambda: self.devices_per_node)  # seen by every node
         self.background = checkpoints.background_saves(config.async_save, config.timeout_s)
         """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
 
@@ -87,7 +86,7 @@ class Par3DEngine(Processes):
         with :meth:`train_step`). A module parallelized before is reused, or refused with what differs
         (:mod:`~lightning_par3d.engine.records`)."""
         if self.layout.pp > 1 and not isinstance(module, PipelineHost) and not records.declares_pipeline(module):
-            return self._parallelize_hosted(module)
+            return records.parallelize_hosted(module, self.parallelize)
         record = record_of(module)
         if record is not None:
             return self._reuse(module, record)
@@ -105,13 +104,9 @@ class Par3DEngine(Processes):
         self._adopt(module, result.forward_module, record)
         return result.forward_module
 
-    def _parallelize_hosted(self, model: nn.Module) -> nn.Module:
-        return records.parallelize_hosted(model, self.parallelize)
-
     def _reuse(self, module: nn.Module, record: records.ModelRecord) -> nn.Module:
-        problem = records.reuse_problem(
-            module, record, self.layout, records.model_settings(self.config, self.precision)
-        )
+        settings = records.model_settings(self.config, self.precision)
+        problem = records.reuse_problem(module, record, self.layout, settings)
         if problem is not None:
             raise problem
         trained = self._forward_module if self._module is module and self._forward_module is not None else None
@@ -297,8 +292,7 @@ class Par3DEngine(Processes):
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes the transformers model inside the trained module as a ``save_pretrained`` directory, from any
         layout (gathered on rank 0, which writes it). Every rank must call it."""
-        state = self.full_state_dict()
-        return checkpoints.save_pretrained(self._saved_module(), state, directory, self.rank)
+        return checkpoints.save_pretrained(self._saved_module(), self.full_state_dict(), directory, self.rank)
 
     def save(
         self,
@@ -312,21 +306,11 @@ class Par3DEngine(Processes):
         """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
         (their :meth:`optimizer_state`, by name, or ``optimizer_0``, … for a list) with DCP, ``metadata`` (rank 0's),
         and (``streams``) each rank's random generators, atomically. Every rank must call it."""
-        self.check_checkpoint_directory(Path(path).parent)
+        self.checkpoint_directories.check(Path(path).parent)
         tensors = {model_key: self.model_state() if model_state is None else model_state}
         tensors.update(checkpoints.by_key(optimizer_states))
         where = (checkpoints.saved_at(self.layout), self.device) if streams else None
         checkpoints.save(path, tensors, metadata, self.rank, where, self.background)
-
-    def check_checkpoint_directory(self, directory: str | Path) -> None:
-        """On more than one node, that every node sees ``directory`` as rank 0 does (a probe file), once per
-        directory (and not for one inside a directory checked before), before the first save into it;
-        ``ValueError`` on every rank naming the nodes that do not. Every rank must call it
-        (:func:`~lightning_par3d.distributed.agree.check_directory_is_shared`)."""
-        resolved = Path(directory).absolute()
-        if not ({resolved, *resolved.parents} & self._shared_directories):  # within a checked one: shared too
-            check_directory_is_shared(resolved, self.devices_per_node)
-            self._shared_directories.add(resolved)
 
     def load(
         self,

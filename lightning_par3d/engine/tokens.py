@@ -181,9 +181,10 @@ class TokenMean:
                 return 1.0
             warnings.warn(
                 f"loss_mean='tokens': the training step's loss did not come from the module's {self.source} loss, so "
-                "par3d could not scale it: the step averages each batch's own mean. Compute the loss with the "
-                "module's pipeline_loss method (or the transformers model's own loss), or set "
-                "loss_mean='microbatches' to silence this.",
+                "par3d could not scale it: the step averages each batch's own mean, not the global batch's token "
+                "mean. Compute it through the declared loss method (pipeline_loss = 'loss_fn' on the module, then "
+                "loss = self.loss_fn(self(x), y) in training_step) or the transformers model's own labels= loss, "
+                "or set loss_mean='microbatches' to silence this.",
                 stacklevel=3,
             )
         return 1.0

@@ -66,7 +66,7 @@ class Par3DStateCheckpoints(Accelerator):
         self._finish_saves()
         naming = self.project_configuration.automatic_checkpoint_naming
         target = state_folder(self.project_dir, self.save_iteration, output_dir, naming)
-        self.engine.check_checkpoint_directory(target.parent)
+        self.engine.checkpoint_directories.check(target.parent)
         lock: atomic.SaveLock | None = atomic.SaveLock(target) if self.engine.rank == 0 else None
         staging = Path(on_rank_zero(lambda: begin_save(target, lock), (atomic.CheckpointInUse,)))
         try:

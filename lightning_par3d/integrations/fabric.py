@@ -27,7 +27,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from torch import Tensor
@@ -144,6 +144,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
         data-parallel ranks and the window's batches, that mean). The script is the same at every layout:
         ``loss = fabric.strategy.train_step(model, x, y, loss_fn)``, then the optimizer step as usual. ``inputs``: a
         tensor, a tuple of arguments or a dict of keyword arguments."""
+        refuse_whole_module_compile(module)
         self.engine.start_batch()
         with self.precision.forward_context():
             return self.engine.train_step(
@@ -201,9 +202,26 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
 
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
+        """``fabric.all_reduce``: over the data-parallel ranks, as the Trainer's ``reduce`` (``self.log(...,
+        sync_dist=True)``) and ``Par3DAccelerator.reduce``: tensor-parallel peers and pipeline stages read the same
+        samples, so a sum over the whole world would count each of them tp × pp times. Every front-end gives one
+        process's number. With a ``group`` other than the world (which ``fabric.all_reduce`` passes when given
+        none): over that group, as Lightning does."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if not _is_the_world(group):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self.engine.reduce(tensor, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``fabric.all_gather``: each data-parallel rank's ``tensor``, stacked (``(dp, *shape)``), for the same
+        reason as :meth:`all_reduce`; with a ``group`` other than the world, over that group, as Lightning does."""
+        if _is_the_world(group):
+            if self.engine.layout.dp == 1:
+                return tensor.unsqueeze(0)
+            group = self.engine.mesh["dp"].get_group()
+        return _all_gather_ddp_if_available(tensor, group, sync_grads=sync_grads)
 
     @override
     def clip_gradients_norm(
@@ -281,3 +299,23 @@ def _model_key(state: dict[str, Any]) -> str:
 
 
 register_fabric_strategy(Par3DFabricStrategy)  # "par3d" in Lightning's registry, whoever imported this module
+
+
+def _is_the_world(group: Any) -> bool:
+    """Whether ``group`` means no group in particular: None, or the world, which Fabric passes when given none."""
+    return group is None or group is torch.distributed.group.WORLD
+
+
+def refuse_whole_module_compile(module: Module) -> None:
+    """Refuses a model set up as ``fabric.setup(torch.compile(model))``: Fabric compiles the whole module after
+    par3d's setup, around the pipeline host, the FSDP2 hooks and the stages (which then run uncompiled under pp),
+    where par3d compiles each block in place (``compile=True``)."""
+    inner = getattr(module, "_forward_module", module)
+    if isinstance(inner, torch.nn.Module) and hasattr(inner, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise ValueError(
+            "fabric.setup(torch.compile(model)) compiles the whole module after par3d has parallelized it: around "
+            "the pipeline schedule (whose stages then run uncompiled), the FSDP2 hooks and the tensor-parallel "
+            "modules. Set the model up uncompiled and let par3d compile each block in place: "
+            "Par3DFabricStrategy(..., compile=True) (options: compile_options={...}), then "
+            "model = fabric.setup(model)."
+        )

@@ -34,6 +34,7 @@ from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import check_front_end
 from lightning_par3d.engine.measure import MeasureWith
 from lightning_par3d.planning.at_launch import batch_shape
+from lightning_par3d.utils.console import known_upstream_warnings_once_per_job
 
 T = TypeVar("T")
 
@@ -135,6 +136,15 @@ def skip_the_shutdown_collection() -> None:
     and run at exit only, so a process that catches the error and goes on is collected as before while it runs."""
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+
+
+def check_checkpoint_directories(engine: Par3DEngine, trainer: Any) -> None:
+    """Before fitting, that every node sees each ``ModelCheckpoint``'s directory (on many nodes): found before
+    training, not at the next load."""
+    for callback in trainer.checkpoint_callbacks:
+        directory = getattr(callback, "dirpath", None)
+        if directory and trainer.state.fn == "fit":
+            engine.checkpoint_directories.check(directory)
 
 
 def is_failure(exception: BaseException) -> bool:
@@ -307,6 +317,7 @@ class LightningFrontEnd:
         )
         self._process_group_backend = backend
         self.engine.setup(self.root_device, backend, devices_per_node=self.num_processes)
+        known_upstream_warnings_once_per_job(self.engine.rank)
 
     def barrier(self: LightningStrategy, *args: Any, **kwargs: Any) -> None:
         self.engine.barrier()

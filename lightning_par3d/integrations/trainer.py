@@ -111,8 +111,7 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        """Lightning's plugin for ``precision=`` becomes par3d's counterpart (global-norm clipping); an unsupported
-        precision raises here, before any process is launched."""
+        """Lightning's ``precision=`` plugin, as par3d's (global-norm clipping); an unsupported one raises here."""
         plugin = as_par3d_precision(precision_plugin) if precision_plugin is not None else None
         if plugin is not None:
             plugin.engine = self.engine  # type: ignore[attr-defined]
@@ -155,10 +154,7 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         # must not be cast after sharding.
         module = self.lightning_module
         assert module is not None
-        for callback in trainer.checkpoint_callbacks:  # every node sees it, before training rather than at a load
-            directory = getattr(callback, "dirpath", None)
-            if directory and trainer.state.fn == TrainerFn.FITTING:
-                self.engine.check_checkpoint_directory(directory)
+        shared.check_checkpoint_directories(self.engine, trainer)
         if self.engine.awaits_layout:  # Lightning's own resolution of the training data
             loader = trainer.fit_loop._data_source.dataloader()
             sample = measure_with(self.engine.config, self._plan_copy, loader, None, trainer.default_root_dir)

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.config import Par3DConfig, changed_settings
+from lightning_par3d.distributed import faults
+from lightning_par3d.distributed.agree import on_rank_zero_for_long
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
 
 SHOWN = 5
@@ -203,20 +204,31 @@ def choose_at_launch(
     machine = config.plan_machine if config.plan_machine is not None else measure()
     memory = config.plan_device_memory or device_memory(device, devices_per_node)
     batch = global_batch_of(config, rank_batch, world_size, accumulate or 1)
-    answer: list[Any] = [None]
-    if dist.get_rank() == 0:
-        answer[0] = _plan_on_rank_zero(
+    limit = plan_time_limit(config)
+    outcome, value = on_rank_zero_for_long(  # the plan may outlast timeout_s: the others wait on the store
+        lambda: _plan_on_rank_zero(
             config, module, world_size, devices_per_node, memory, (batch, accumulate is not None), seq_len, precision,
-            machine, count,
-        )  # fmt: skip
-    dist.broadcast_object_list(answer, src=0, device=device if device.type == "cuda" else None)
-    outcome, value = answer[0]
+            machine, count, limit,
+        ),
+        faults.run_key(f"plan{next(_PLANS)}"),
+        limit + 60,
+    )  # fmt: skip
     if outcome == "error":
         raise ValueError(value)
     return [
         candidate_from(config, arguments, BatchSplit(batch, *split), predicted, name, buckets, reserve)
         for arguments, split, predicted, name, buckets, reserve in value
     ]
+
+
+_PLANS = itertools.count()
+"""This process's plans at launch: each one's key in the job's store is its own (every rank counts alike)."""
+
+
+def plan_time_limit(config: Par3DConfig) -> float:
+    """How long rank 0's plan may take (its fresh interpreter is stopped after): ``timeout_s`` less 30 s, and a
+    minute at least, since planning a large model takes a while whatever the collectives' timeout."""
+    return max(60.0, config.timeout_s - 30)
 
 
 def candidate_from(
@@ -256,6 +268,7 @@ def _plan_on_rank_zero(
     precision: str,
     machine: Machine | str,
     count: int,
+    limit_s: float,
 ) -> tuple[str, Any]:
     """``("ok", [(sizes and settings, (samples per data-parallel rank, accumulated batches), predicted step, name,
     its buckets, reserve) for each of the ``count`` to measure, then the reserve])`` or ``("error", the message)``,
@@ -276,7 +289,7 @@ def _plan_on_rank_zero(
         table = call(
             plan, module, world_size, devices_per_node, memory, global_batch=global_batch, accumulate=accumulate,
             seq_len=seq_len, precision=precision, machine=machine, fixed=fixed_settings(config), base=base,
-            loss_fn=loss_fn, what="the layout plan (layout='auto')", timeout_s=max(60.0, config.timeout_s - 30),
+            loss_fn=loss_fn, what="the layout plan (layout='auto')", timeout_s=limit_s,
         )  # fmt: skip
     except (ValueError, TypeError, RuntimeError) as error:
         return (

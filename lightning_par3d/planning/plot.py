@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_par3d.planning.cost import BUCKETS
@@ -47,6 +48,7 @@ def plot(table: PlanTable, path: str, top: int = 20) -> str:
     ax.legend(loc="lower right", fontsize=8, ncols=4, bbox_to_anchor=(1.0, 1.04), frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -2,15 +2,15 @@
 
     par3d plan --model-config conf/model/gpt.yaml --world-size 8 --batch 32 --seq 64
     par3d plan --module examples.gpt:GPTModule --model-arg n_layer=8 --world-size 16 --devices-per-node 8 \\
-        --memory 80GiB --batch 64 --seq 1024 --profile h100-sxm-8 --fixed tp=2 --plot plan.png
+        --memory 80GiB --batch 64 --seq 1024 --profile h100-sxm-8 --fixed tp=2 --plot
 
 It builds the LightningModule from a class (``--module package.module:Class``, from the working directory too, with
 ``--model-arg key=value`` arguments) or from a Hydra model config (``--model-config conf/model/gpt.yaml``: its
 ``_target_`` and arguments, as the Hydra app builds it; ``--model-arg`` overrides them), says which model it built
 (its class, parameters and blocks), plans, and prints the ranked table: the layouts that fit, fastest first, then
 the rejected ones grouped by reason; then the best layout as strategy arguments. ``--plot`` also draws the
-predicted steps. The machine is a named profile (``--profile``, default ``h100-sxm-8``) or this machine, measured
-(``--calibrate``).
+predicted steps, into ``outputs/plans/plan-<date>-<time>.png`` (``--plot FILE.png``: there). The machine is a named
+profile (``--profile``, default ``h100-sxm-8``) or this machine, measured (``--calibrate``).
 """
 
 from __future__ import annotations
@@ -61,8 +61,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prune", action="store_true", help="also evaluate checkpointing where a layout fits without")
     p.add_argument("--top", type=int, default=25, help="fitting layouts to print (default 25)")
     p.add_argument("--all-rejected", action="store_true", help="one line per rejected layout instead of by reason")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the predicted steps of the top layouts")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.png",
+        help="draw the predicted steps of the top layouts (default file: outputs/plans/plan-<date>-<time>.png)",
+    )
     return p
+
+
+DEFAULT_PLOT = "outputs/plans/plan-%Y-%m-%d-%H%M%S.png"
+"""Where ``--plot`` without a file draws (under ``outputs/``, where the Hydra app writes its runs; git ignores it)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"par3d plan: bad input: {error}", file=sys.stderr)
         return 2
-    print_plan(table, top=args.top, group_rejected=not args.all_rejected, plot_to=args.plot)
+    plot_to = args.plot or (time.strftime(DEFAULT_PLOT) if args.plot == "" else None)
+    print_plan(table, top=args.top, group_rejected=not args.all_rejected, plot_to=plot_to)
     return 0
 
 

@@ -1,7 +1,10 @@
-"""What par3d's own programs (``par3d smoke``, the examples) do to keep the console readable.
+"""Upstream warnings known to be noise, once per job instead of once per rank, or not at all.
 
-Library code never silences a warning that a user's own code may trigger. A program of par3d's, which runs a model
-it controls, silences the upstream warnings that are known to be noise there, each one named here with why:
+Library code never silences a warning that a user's own code may trigger. The warnings below come from Lightning's
+own code whatever the user writes; par3d's front-ends print each once per job (rank 0's,
+:func:`known_upstream_warnings_once_per_job`, as Lightning's own ``rank_zero_warn`` does), and
+:func:`quiet_known_upstream_warnings` (``lightning_par3d.quiet_known_upstream_warnings``, public) silences them
+entirely, as par3d's own programs (``par3d smoke``, the examples) do:
 
 * Lightning 2.6's ``isinstance(treespec, LeafSpec) is deprecated`` (a ``FutureWarning`` from
   ``lightning/pytorch/utilities/_pytree.py``, once per rank): Lightning's own use of torch's pytree API, which torch
@@ -22,3 +25,9 @@ def quiet_known_upstream_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
     )
+
+
+def known_upstream_warnings_once_per_job(rank: int) -> None:
+    """On every rank but 0, silences the warnings of the module docstring: the job prints each once (rank 0's)."""
+    if rank != 0:
+        quiet_known_upstream_warnings()

@@ -11,6 +11,7 @@ public API to move to. Imports are inside the functions, so that importing this 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -41,15 +42,17 @@ def fake_mode_paused() -> Any:
     return unset_fake_temporarily()
 
 
-@contextlib.contextmanager
-def moves_in_place_skipped() -> Iterator[None]:
-    """While a model is built on fake tensors, ``module.to(...)`` returns the module untouched when it would change
-    no tensor's device or dtype. torch converts a fake parameter by swapping it for a new one, which fails for a
-    parameter something else still references ("_apply(): Couldn't swap Linear.weight"), even when the move is to
-    where the parameter already is: ``peft`` moves each adapter it makes onto its base layer's device so."""
-    original = torch.nn.Module.to
+_BUILDING = threading.local()
+"""Whether this thread builds a model on fake tensors (:func:`moves_in_place_skipped`)."""
+_TO_LOCK = threading.Lock()
+_TO_USERS = [0]
+_ORIGINAL_TO = torch.nn.Module.to
 
-    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+
+def _to_unless_in_place(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """``nn.Module.to``, except in a thread inside :func:`moves_in_place_skipped`, where a move that would change no
+    tensor's device or dtype returns the module untouched."""
+    if getattr(_BUILDING, "active", False):
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         tensors = [*self.parameters(), *self.buffers()]
         if all(
@@ -57,13 +60,33 @@ def moves_in_place_skipped() -> Iterator[None]:
             for t in tensors
         ):
             return self
-        return original(self, *args, **kwargs)
+    return _ORIGINAL_TO(self, *args, **kwargs)
 
-    torch.nn.Module.to = to  # type: ignore[method-assign,assignment]
+
+@contextlib.contextmanager
+def moves_in_place_skipped() -> Iterator[None]:
+    """While a model is built on fake tensors in this thread, ``module.to(...)`` returns the module untouched when
+    it would change no tensor's device or dtype. torch converts a fake parameter by swapping it for a new one, which
+    fails for a parameter something else still references ("_apply(): Couldn't swap Linear.weight"), even when the
+    move is to where the parameter already is: ``peft`` moves each adapter it makes onto its base layer's device so.
+
+    Scoped to this thread and this context: ``nn.Module.to`` is wrapped while any thread is inside (and put back
+    after the last one leaves), and the wrapper behaves as torch's own in every other thread, so a user's threads
+    see no change while the public ``estimate_memory`` runs.
+
+    Private: ``torch._C._nn._parse_to`` (how ``Module.to`` reads its arguments; no public parser)."""
+    with _TO_LOCK:
+        _TO_USERS[0] += 1
+        torch.nn.Module.to = _to_unless_in_place  # type: ignore[method-assign,assignment]
+    _BUILDING.active = True
     try:
         yield
     finally:
-        torch.nn.Module.to = original  # type: ignore[method-assign]
+        _BUILDING.active = False
+        with _TO_LOCK:
+            _TO_USERS[0] -= 1
+            if _TO_USERS[0] == 0:
+                torch.nn.Module.to = _ORIGINAL_TO  # type: ignore[method-assign]
 
 
 def set_default_group_timeout(timeout: timedelta) -> None:
