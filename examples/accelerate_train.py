@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from examples.hf_llama import logits_of
 from lightning_par3d import Par3DConfig, quiet_known_upstream_warnings
 from lightning_par3d.accelerate import Par3DAccelerator
-from lightning_par3d.integrations.hydra import register_configs
+from lightning_par3d.integrations.hydra_schema import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 quiet_known_upstream_warnings()  # Lightning's known noise (docs/api.md, "The console")

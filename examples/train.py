@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 import lightning_par3d  # noqa: F401  (registers "par3d")
 from lightning_par3d import quiet_known_upstream_warnings
-from lightning_par3d.integrations.hydra import register_configs
+from lightning_par3d.integrations.hydra_schema import register_configs
 from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
 
 register_configs()

@@ -14,11 +14,13 @@ the registration happens when Lightning is imported, before or after this packag
 Accelerate script costs no Lightning import.
 """
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from lightning_par3d.compose import parallelize
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.config.styles import STYLE_NAMES
+from lightning_par3d.config.tp_vocabulary import STYLE_NAMES
 from lightning_par3d.distributed.gradients import clip_grad_norm_, total_grad_norm
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.engine import Par3DEngine
@@ -63,8 +65,27 @@ if TYPE_CHECKING:
     from lightning_par3d.integrations.trainer import Par3DStrategy
 
 
+class _AccelerateFrontEnd(types.ModuleType):
+    """``lightning_par3d.accelerate`` (``from lightning_par3d.accelerate import Par3DAccelerator``): the Accelerate
+    front-end, :mod:`lightning_par3d.integrations.accelerator`, imported (with the ``accelerate`` package) on first
+    use. A name only, with no file of its own: a file ``lightning_par3d/accelerate.py`` shadowed the ``accelerate``
+    package wherever the ``lightning_par3d/`` folder itself came onto ``sys.path``."""
+
+    def __getattr__(self, name: str) -> Any:
+        from lightning_par3d.integrations import accelerator
+
+        if name == "__all__":
+            return ["PRECISIONS", "Par3DAccelerator"]
+        return getattr(accelerator, name)
+
+
+sys.modules.setdefault(f"{__name__}.accelerate", _AccelerateFrontEnd(f"{__name__}.accelerate"))
+
+
 def __getattr__(name: str) -> Any:
-    """The Lightning front-ends, imported (with Lightning) on first use."""
+    """The Lightning front-ends, imported (with Lightning) on first use; the Accelerate front-end's module name."""
+    if name == "accelerate":
+        return sys.modules[f"{__name__}.accelerate"]
     if name == "Par3DStrategy":
         from lightning_par3d.integrations.trainer import Par3DStrategy
 

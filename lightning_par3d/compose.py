@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par3d.checkpoint.adapters import adapters_of, init_fresh_adapters
-from lightning_par3d.checkpoint.hf import load_pretrained, pretrained_path
+from lightning_par3d.checkpoint.peft_files import adapters_of, init_fresh_adapters
+from lightning_par3d.checkpoint.pretrained import load_pretrained, pretrained_path
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_par3d.parallel.adapters import adapter_plan
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
+from lightning_par3d.parallel.lora_plan import adapter_plan
 from lightning_par3d.parallel.materialize import BuildState, capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.parallel.metric_state import detach_metrics, metrics_in, reattach_metrics, snapshot
 from lightning_par3d.parallel.precision import fsdp_mixed_precision
@@ -50,9 +50,9 @@ from lightning_par3d.parallel.tensor_parallel import (
     plan_tied_weights,
 )
 from lightning_par3d.parallel.ties import retie, tied_groups
-from lightning_par3d.pipeline.hf import check_pipelinable, decoder_layout, install_stage_forward
 from lightning_par3d.pipeline.runner import PipelineRunner, build_runner
 from lightning_par3d.pipeline.split import NotOnThisStage, StagePlan, empty_holder, plan_stages
+from lightning_par3d.pipeline.transformers_stages import check_pipelinable, decoder_layout, install_stage_forward
 from lightning_par3d.pipeline.trunk import check_only_trunk_has_parameters, declared_pipeline, install_trunk
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_par3d.parallel.adapters import adapter_plan
+from lightning_par3d.parallel.lora_plan import adapter_plan
 from lightning_par3d.parallel.tensor_parallel import expand_plan, transformers_plan
 from tests import hf_runs
 from tests.conftest import assert_parity
@@ -222,7 +222,7 @@ def test_fresh_adapters_on_a_pretrained_base_start_as_the_base_at_every_layout(p
     seed and each adapter's name (lora_A as nn.Linear, lora_B zero), as one process draws them."""
     import lightning as L
 
-    from lightning_par3d.checkpoint.adapters import adapter_keys, init_fresh_adapters
+    from lightning_par3d.checkpoint.peft_files import adapter_keys, init_fresh_adapters
     from tests.gpt_runs import SEED
 
     base = hf_runs.save_tiny_pretrained(tmp_path / "base")

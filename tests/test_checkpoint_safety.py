@@ -153,7 +153,7 @@ def test_a_real_checkpoint_reads_and_consolidates_as_lightnings_consolidation_do
 def _readers(tmp_path: Path) -> dict[str, Any]:
     """Every offline path that reads a checkpoint, each a function of the checkpoint's path that raises on a
     refusal (the commands return 2 and print the refusal: raised here with their output)."""
-    from lightning_par3d.checkpoint.hf import read_checkpoint_model
+    from lightning_par3d.checkpoint.pretrained import read_checkpoint_model
     from lightning_par3d.tools.cli import main
 
     def command(*argv: str) -> None:

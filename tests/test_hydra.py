@@ -15,7 +15,7 @@ from omegaconf import read_write
 
 from examples.train import build_trainer
 from lightning_par3d import Par3DStrategy
-from lightning_par3d.integrations.hydra import register_configs
+from lightning_par3d.integrations.hydra_schema import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LAUNCH_CONFIGS = "accelerate"  # conf/accelerate/: `accelerate launch --config_file` files, not a Hydra group

@@ -144,3 +144,28 @@ def test_front_ends_use_only_the_engines_public_api():
                     inner = node.value
                     owner = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
                     assert owner != "engine", f"{module.name}:{node.lineno} reads engine.{node.attr}"
+
+
+def test_no_two_modules_of_the_package_share_a_file_name():
+    """A module's file name says what it holds, once: ``hf.py``, ``styles.py`` or ``adapters.py`` in two packages
+    meant two different things under one name (``__init__.py`` and ``__main__.py`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_no_module_of_the_package_is_named_like_a_package_users_import():
+    """With ``lightning_par3d/`` itself on ``sys.path`` (a script run from inside it, a fresh interpreter), a module
+    named ``accelerate.py`` shadowed the ``accelerate`` package; ``lightning_par3d.accelerate`` is a name the
+    package gives its Accelerate front-end, without a file."""
+    import importlib.util
+
+    names = {path.stem for path in ROOT.rglob("*.py")} - {"__init__", "__main__"}
+    shadowing = names & {"accelerate", "lightning", "torch", "transformers", "peft", "hydra"}
+    assert shadowing == set()
+    assert importlib.util.find_spec("accelerate") is not None
+    from lightning_par3d.accelerate import Par3DAccelerator  # the alias users import keeps working
+
+    assert Par3DAccelerator.__module__ == "lightning_par3d.integrations.accelerator"

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from lightning_par3d.accelerate import Par3DAccelerator
 
 from lightning_par3d import Par3DConfig, Par3DFabricStrategy, Par3DStrategy
-from lightning_par3d.accelerate import Par3DAccelerator
 from tests.test_docs import COMMANDS, documented  # noqa: F401  (the docs' runs, parametrized below)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_accelerator_refuses_par3d_and_settings_together():
 def test_accelerator_settings_beside_a_parallelism_config():
     """A ``ParallelismConfig`` gives dp_replicate, dp_shard and tp; the keywords add par3d's own fields, and may not
     give those three again."""
-    from lightning_par3d.integrations.accelerate import _config
+    from lightning_par3d.integrations.accelerator import _config
 
     parallelism = SimpleNamespace(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
     names = {f.name for f in dataclasses.fields(Par3DConfig)}

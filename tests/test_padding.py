@@ -23,8 +23,8 @@ import torch
 from examples.data import ByteWindows, ShakespeareDataModule
 from examples.gpt import GPT, GPTConfig, GPTModule
 from examples.hf_llama import CausalLMModule
-from lightning_par3d.pipeline.hf import decoder_layout, install_stage_forward
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, check_pipeline_call
+from lightning_par3d.pipeline.transformers_stages import decoder_layout, install_stage_forward
 from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
 from tests.gpt_runs import LossRecorder, full_state, trainer_kwargs

@@ -257,7 +257,7 @@ def style_parity_job(plan: dict[str, str]) -> float:
 
 
 def test_every_style_matches_one_process(pool2):
-    from lightning_par3d.config.styles import CANONICAL_STYLES, canonical
+    from lightning_par3d.config.tp_vocabulary import CANONICAL_STYLES, canonical
 
     # Every style but the two that need no split of their own (tested below on local shards).
     assert {canonical(s) for s in StyleNet.plan.values()} == set(CANONICAL_STYLES) - {"all_reduce", "local_params"}
@@ -272,7 +272,7 @@ def local_styles_job() -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_par3d.parallel.styles import build_style
+    from lightning_par3d.parallel.tp_styles import build_style
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -309,7 +309,7 @@ def test_all_reduce_and_local_params_styles(pool2):
 
 
 def test_transformers_names_and_refusals():
-    from lightning_par3d.config.styles import canonical
+    from lightning_par3d.config.tp_vocabulary import canonical
 
     assert canonical("colwise_rep") == "colwise_gather_output"
     assert canonical("rowwise_rep") == "rowwise_split_input"

@@ -139,7 +139,7 @@ def test_plan_entry_matching_nothing_on_any_stage_is_refused_by_name(pool4):
 
 
 def test_tied_embeddings_are_refused_under_pipelining():
-    from lightning_par3d.pipeline.hf import check_pipelinable
+    from lightning_par3d.pipeline.transformers_stages import check_pipelinable
 
     lm = module(ARCHITECTURES["qwen2-tied"])
     lm.configure_model()
@@ -227,7 +227,7 @@ def test_pretrained_models_start_training_in_train_mode(tmp_path):
 def test_pretrained_directory_lacking_a_weight_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from lightning_par3d.checkpoint.hf import load_pretrained
+    from lightning_par3d.checkpoint.pretrained import load_pretrained
 
     source = save_tiny_pretrained(tmp_path / "pretrained")
     damaged = next(f for f in sorted(source.glob("*.safetensors")) if "q_proj" in str(load_file(f).keys()))
@@ -242,7 +242,7 @@ def test_pretrained_directory_lacking_a_weight_is_refused_by_name(tmp_path):
 
 def test_pretrained_needs_a_directory():
     from lightning_par3d import Par3DConfig, resolve_layout
-    from lightning_par3d.checkpoint.hf import pretrained_path
+    from lightning_par3d.checkpoint.pretrained import pretrained_path
 
     lm = module()
     lm.configure_model()

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_par3d.checkpoint import hf as hf_checkpoint
-from lightning_par3d.checkpoint.adapters import adapters_of
+from lightning_par3d.checkpoint import pretrained
+from lightning_par3d.checkpoint.peft_files import adapters_of
 from lightning_par3d.integrations.trainer import Par3DStrategy
 
 
@@ -49,7 +49,7 @@ class SavePretrained(Callback):
         if isinstance(trainer.strategy, Par3DStrategy):
             trainer.strategy.save_pretrained(directory)
         elif trainer.is_global_zero:
-            hf_checkpoint.save_pretrained(pl_module, pl_module.state_dict(), directory)
+            pretrained.save_pretrained(pl_module, pl_module.state_dict(), directory)
         trainer.strategy.barrier("SavePretrained")
         if adapters_of(pl_module):
             rank_zero_info(f"par3d: saved the LoRA adapters to {directory} (PeftModel.from_pretrained(base, path))")

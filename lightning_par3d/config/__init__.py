@@ -1,7 +1,7 @@
 """The par3d configuration: the settings (:mod:`~lightning_par3d.config.settings`), their one validation pass and
 the layout it resolves (:mod:`~lightning_par3d.config.validate`, :mod:`~lightning_par3d.config.layout`), and the
-vocabularies they are checked against (:mod:`~lightning_par3d.config.styles`, :mod:`~lightning_par3d.config.schedules`).
-Plain Python, importing nothing of par3d's above it: every layer reads it."""
+vocabularies they are checked against (:mod:`~lightning_par3d.config.tp_vocabulary`,
+:mod:`~lightning_par3d.config.schedules`). Plain Python, importing nothing of par3d's above it: every layer reads it."""
 
 from lightning_par3d.config.layout import DATA_PARALLEL_ENGINES, Layout
 from lightning_par3d.config.settings import (

@@ -78,7 +78,7 @@ class Par3DConfig:
     plan of the Hugging Face transformers model inside the module). A ``*`` stands for one name segment
     (``"h.*.mlp.c_fc"``). Patterns match whole trailing segments of a module's full name, so a transformers
     ``tp_plan`` or ``base_model_tp_plan`` works unchanged. Styles: see
-    :mod:`lightning_par3d.config.styles`."""
+    :mod:`lightning_par3d.config.tp_vocabulary`."""
 
     fsdp_blocks: str | None = None
     """Module-name pattern of the blocks that FSDP2 wraps one by one before the root (``"transformer.h.*"``).
@@ -149,7 +149,8 @@ class Par3DConfig:
     no other rank ever holds a full copy. ``"meta"``: no rank builds a full copy; each rank initialises its own
     shards with the modules' ``reset_parameters()``. Faster for huge models, but the values differ from a
     single-process run. ``"pretrained"``: no rank builds a full copy; each rank reads only its own slices of a
-    Hugging Face ``save_pretrained`` directory (safetensors) into its shards (:mod:`lightning_par3d.checkpoint.hf`).
+    Hugging Face ``save_pretrained`` directory (safetensors) into its shards
+    (:mod:`lightning_par3d.checkpoint.pretrained`).
     """
 
     pretrained_path: str | None = None
@@ -160,7 +161,7 @@ class Par3DConfig:
     """With ``init="pretrained"`` and a ``peft`` model: the local directory of its saved adapters (peft's
     ``save_pretrained``: ``adapter_model.safetensors``), each rank reading only its slices, as the base's. None:
     the adapters start fresh, drawn as peft initializes them (``lora_B`` zero) from the seed and each adapter's name,
-    the same at every layout (:func:`~lightning_par3d.checkpoint.adapters.init_fresh_adapters`)."""
+    the same at every layout (:func:`~lightning_par3d.checkpoint.peft_files.init_fresh_adapters`)."""
 
     loss_mean: str = "tokens"
     """What the step's loss and gradient average over. ``"tokens"``: the global batch's token mean, the sum of the

@@ -23,7 +23,7 @@ from lightning_par3d.config.settings import (
     ZERO_STAGES,
     Par3DConfig,
 )
-from lightning_par3d.config.styles import STYLE_NAMES, unknown_style_message
+from lightning_par3d.config.tp_vocabulary import STYLE_NAMES, unknown_style_message
 
 
 @dataclass

@@ -29,8 +29,8 @@ error if the layout differs. One mesh per layout serves every run of that layout
 (:mod:`lightning_par3d.distributed.groups`).
 """
 
-from lightning_par3d.engine.checkpoints import MODEL_KEY, optimizer_key
 from lightning_par3d.engine.collectives import reduce_op_name
 from lightning_par3d.engine.engine import LossFn, Par3DEngine
+from lightning_par3d.engine.saving import MODEL_KEY, optimizer_key
 
 __all__ = ["MODEL_KEY", "LossFn", "Par3DEngine", "optimizer_key", "reduce_op_name"]

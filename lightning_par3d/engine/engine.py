@@ -10,7 +10,7 @@ reusing a model parallelized before    :mod:`~lightning_par3d.engine.records`
 optimizers (pointing, ZeRO-1/2)        :mod:`~lightning_par3d.engine.optimizers`
 steps, accumulation, clipping          :mod:`~lightning_par3d.engine.steps`
 collectives over the data-parallel     :mod:`~lightning_par3d.engine.collectives`
-checkpoints                            :mod:`~lightning_par3d.engine.checkpoints`
+checkpoints                            :mod:`~lightning_par3d.engine.saving`
 failures                               :mod:`~lightning_par3d.distributed.faults`
 elastic re-layout                      :mod:`~lightning_par3d.engine.elastic`
 =====================================  =================================================================
@@ -30,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Par3DConfig
-from lightning_par3d.engine import checkpoints, collectives, records, steps, tokens
+from lightning_par3d.engine import collectives, records, saving, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.processes import Processes
 from lightning_par3d.parallel.compression import compression_of
@@ -65,8 +65,8 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
-        self.checkpoint_directories = checkpoints.SharedDirectories(lambda: self.devices_per_node)  # seen by every node
-        self.background = checkpoints.background_saves(config.async_save, config.timeout_s)
+        self.checkpoint_directories = saving.SharedDirectories(lambda: self.devices_per_node)  # seen by every node
+        self.background = saving.background_saves(config.async_save, config.timeout_s)
         """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
 
     # ---------------------------------------------------------------- the model
@@ -275,24 +275,24 @@ class Par3DEngine(Processes):
 
     # ---------------------------------------------------------------- checkpoints
     def _saved_module(self) -> nn.Module:
-        return checkpoints.saved_module(self.module, self.forward_module)
+        return saving.saved_module(self.module, self.forward_module)
 
     def model_state(self) -> dict[str, Any]:
         """This rank's shards of the model's state (DTensors, nothing gathered), keyed by original names."""
-        return checkpoints.dcp.model_state(self._saved_module())
+        return saving.dcp.model_state(self._saved_module())
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's shards of ``optimizer``'s state (wrapped by a framework or not), keyed by parameter name."""
-        return checkpoints.dcp.optimizer_state(self._saved_module(), checkpoints.unwrapped(optimizer))
+        return saving.dcp.optimizer_state(self._saved_module(), saving.unwrapped(optimizer))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
-        return checkpoints.full_state_dict(self._saved_module(), self.mesh, self.rank)
+        return saving.full_state_dict(self._saved_module(), self.mesh, self.rank)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes the transformers model inside the trained module as a ``save_pretrained`` directory, from any
         layout (gathered on rank 0, which writes it). Every rank must call it."""
-        return checkpoints.save_pretrained(self._saved_module(), self.full_state_dict(), directory, self.rank)
+        return saving.save_pretrained(self._saved_module(), self.full_state_dict(), directory, self.rank)
 
     def save(
         self,
@@ -300,7 +300,7 @@ class Par3DEngine(Processes):
         metadata: dict[str, Any],
         optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
         model_state: dict[str, Any] | None = None,
-        model_key: str = checkpoints.MODEL_KEY,
+        model_key: str = saving.MODEL_KEY,
         streams: bool = True,
     ) -> None:
         """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
@@ -308,15 +308,15 @@ class Par3DEngine(Processes):
         and (``streams``) each rank's random generators, atomically. Every rank must call it."""
         self.checkpoint_directories.check(Path(path).parent)
         tensors = {model_key: self.model_state() if model_state is None else model_state}
-        tensors.update(checkpoints.by_key(optimizer_states))
-        where = (checkpoints.saved_at(self.layout), self.device) if streams else None
-        checkpoints.save(path, tensors, metadata, self.rank, where, self.background)
+        tensors.update(saving.by_key(optimizer_states))
+        where = (saving.saved_at(self.layout), self.device) if streams else None
+        saving.save(path, tensors, metadata, self.rank, where, self.background)
 
     def load(
         self,
         path: str | Path,
         optimizers: Sequence[Any] | Mapping[str, Any] = (),
-        model_key: str = checkpoints.MODEL_KEY,
+        model_key: str = saving.MODEL_KEY,
         strict: bool = True,
         weights_only: bool | None = None,
         streams: bool = True,
@@ -324,9 +324,9 @@ class Par3DEngine(Processes):
         """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
         layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
         checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
-        where = (checkpoints.saved_at(self.layout), self.device, self.rank) if streams else None
+        where = (saving.saved_at(self.layout), self.device, self.rank) if streams else None
         self.wait_for_saves()
-        return checkpoints.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
+        return saving.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
 
     def wait_for_saves(self) -> None:
         """With ``async_save``: waits for the save in flight on every rank (then a barrier); raises its error."""

@@ -51,7 +51,7 @@ def rebatch(loader: DataLoader, batch_size: int) -> DataLoader:
 
 
 class PreparedForPar3D(Accelerator):
-    """Mixed into :class:`~lightning_par3d.integrations.accelerate.Par3DAccelerator` (which sets ``engine``,
+    """Mixed into :class:`~lightning_par3d.integrations.accelerator.Par3DAccelerator` (which sets ``engine``,
     ``_prepared`` and ``_prepared_in_this_call``)."""
 
     engine: Par3DEngine

@@ -22,13 +22,13 @@ from lightning_par3d.checkpoint.state_folders import (
 )
 from lightning_par3d.distributed.agree import on_rank_zero
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.engine.checkpoints import after_saves
+from lightning_par3d.engine.saving import after_saves
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.utils.model_changes import restore_attribute
 
 
 class Par3DStateCheckpoints(Accelerator):
-    """Mixed into :class:`~lightning_par3d.integrations.accelerate.Par3DAccelerator` (which sets ``engine``)."""
+    """Mixed into :class:`~lightning_par3d.integrations.accelerator.Par3DAccelerator` (which sets ``engine``)."""
 
     engine: Par3DEngine
     _pending_lock: atomic.SaveLock | None = None

@@ -23,8 +23,8 @@ from typing_extensions import override
 
 from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
-from lightning_par3d.engine.checkpoints import after_saves
 from lightning_par3d.engine.measure import measure_with
+from lightning_par3d.engine.saving import after_saves
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.lightning_compile import TakesCompiledModules

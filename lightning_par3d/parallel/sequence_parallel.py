@@ -24,7 +24,7 @@ plan that already has sequence-parallel entries is used as written only with ``s
 
 The sequence length must divide by tp (checked at the first step, with the fix). Under pipelining, the stages
 exchange the sequence shards (``T / tp`` tokens a rank), and a transformers stage computes its positions and masks
-for the whole sequence (:mod:`lightning_par3d.pipeline.hf`).
+for the whole sequence (:mod:`lightning_par3d.pipeline.transformers_stages`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_par3d.config.styles import SEQUENCE_STYLES, canonical
+from lightning_par3d.config.tp_vocabulary import SEQUENCE_STYLES, canonical
 from lightning_par3d.utils.patterns import repeated_members
 
 IN_BLOCK_KEPT = ("replicated_with_grad_allreduce", "local_params", "replicate")

@@ -1,6 +1,6 @@
 """Tensor parallelism: find the plan, check it against the model, apply it with ``parallelize_module``.
 
-A plan maps module-name patterns to style strings (:mod:`lightning_par3d.config.styles`). ``*`` stands
+A plan maps module-name patterns to style strings (:mod:`lightning_par3d.config.tp_vocabulary`). ``*`` stands
 for one name segment, and a pattern matches the trailing segments of a module's full name, so the plan
 ``{"h.*.attn.c_attn": "colwise"}`` matches ``model.transformer.h.0.attn.c_attn``, and a transformers model's
 ``base_model_tp_plan`` works from whatever attribute the LightningModule keeps the model in.
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_par3d.config.styles import SPLITTING_STYLES, STYLE_NAMES, canonical, unknown_style_message
-from lightning_par3d.parallel.styles import build_style, split_size
+from lightning_par3d.config.tp_vocabulary import SPLITTING_STYLES, STYLE_NAMES, canonical, unknown_style_message
 from lightning_par3d.parallel.ties import tied_groups
+from lightning_par3d.parallel.tp_styles import build_style, split_size
 from lightning_par3d.utils.patterns import is_transformers_model, matches
 from lightning_par3d.utils.torch_private import dtensor_local
 

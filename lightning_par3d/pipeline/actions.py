@@ -1,6 +1,6 @@
 """The actions a pipeline rank runs in one step, in the order torch's own schedule runs them: the one walk over a
 schedule that the memory estimator (microbatches in flight) and the planner (the step's timing,
-:mod:`lightning_par3d.planning.schedule`) both read.
+:mod:`lightning_par3d.planning.schedule_timing`) both read.
 
 :func:`pipeline_actions` builds the torch schedule a run builds (:func:`lightning_par3d.pipeline.runner.torch_schedule`)
 over placeholder stages in a fake process group, and reads its ``pipeline_order``: per pipeline rank, the forward

@@ -7,7 +7,7 @@ The trunk is the module the model names in ``pipeline_trunk``. Its repeated bloc
   modules, as in ``examples/gpt.py``;
 * an ``nn.ModuleList`` (a Hugging Face decoder's ``layers``): a stage replaces what it does not own by a
   parameterless :class:`NotOnThisStage` placeholder, so the list keeps its length and indices, and
-  :mod:`lightning_par3d.pipeline.hf` runs the stage.
+  :mod:`lightning_par3d.pipeline.transformers_stages` runs the stage.
 
 Either way every other name stays as it was. The modules registered before the container (on the path from the
 trunk to it) are the *head of the pipe* (embeddings) and belong to the first stage; those after it are the *tail*
@@ -104,7 +104,7 @@ def _stateless(module: nn.Module) -> bool:
 
 
 def _list_trunk_supported(trunk: nn.Module) -> bool:
-    from lightning_par3d.pipeline.hf import decoder_layout
+    from lightning_par3d.pipeline.transformers_stages import decoder_layout
 
     return decoder_layout(trunk) is not None
 

@@ -12,8 +12,8 @@
 
 * :mod:`~lightning_par3d.planning.candidates`: the search space, ``fixed``, and the checks before the model;
 * :mod:`~lightning_par3d.planning.probe`: FLOPs, ops, tp collectives and shapes, read from the model;
-* :mod:`~lightning_par3d.planning.memory`: each layout's memory, the estimator's figures;
-* :mod:`~lightning_par3d.planning.schedule`: torch's pipeline order, timed;
+* :mod:`~lightning_par3d.planning.candidate_memory`: each layout's memory, the estimator's figures;
+* :mod:`~lightning_par3d.planning.schedule_timing`: torch's pipeline order, timed;
 * :mod:`~lightning_par3d.planning.cost`: the step-time formulas;
 * :mod:`~lightning_par3d.planning.machine`: machines, links and profiles (with their sources);
 * :mod:`~lightning_par3d.planning.calibrate`: measuring this machine;
@@ -26,7 +26,7 @@ from lightning_par3d.planning.cost import StepTime, predict_step
 from lightning_par3d.planning.machine import PROFILES, Link, Machine, machine_profile
 from lightning_par3d.planning.planner import choose_layout, plan
 from lightning_par3d.planning.plot import plot
-from lightning_par3d.planning.schedule import schedule_bubble
+from lightning_par3d.planning.schedule_timing import schedule_bubble
 from lightning_par3d.planning.table import PlanRow, PlanTable
 
 __all__ = [

@@ -10,8 +10,8 @@ lists. This module turns the timings into the machine's figures:
   over the fitted all-gather's of their size is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo,
   which runs it as more than a ring pass);
 * the pipeline step gives the machine's ``pipeline_action_s``: the cost per action that makes the planner's own
-  simulation of that schedule (:mod:`~lightning_par3d.planning.schedule`, the stage's ops and the hops priced as the
-  cost model prices them) last as long as the measured step;
+  simulation of that schedule (:mod:`~lightning_par3d.planning.schedule_timing`, the stage's ops and the hops priced
+  as the cost model prices them) last as long as the measured step;
 * the rest are the machine's figures as measured (matmul FLOP/s, time per op and per DTensor op, a tensor-parallel
   module's own cost, the zero-bubble split's, memory bandwidth).
 
@@ -180,7 +180,7 @@ def pipeline_action_seconds(step_s: float, pp: int, link: Link, op_s: float, sta
     priced by the cost model over ``link``) last ``step_s`` (0 where the simulation alone lasts that long)."""
     from lightning_par3d.pipeline.actions import pipeline_actions
     from lightning_par3d.planning.cost import COLLECTIVE_CPU_OPS, send
-    from lightning_par3d.planning.schedule import simulate
+    from lightning_par3d.planning.schedule_timing import simulate
 
     actions = pipeline_actions("1f1b", pp, 1, PIPELINE_MICROBATCHES)
     hop = send(PIPELINE_WIDTH * 4, link) + COLLECTIVE_CPU_OPS * op_s

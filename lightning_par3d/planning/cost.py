@@ -60,7 +60,7 @@ DDP and ZeRO-1/2, which handle the optimizer's parameters only, neither reduce n
 Where the machine overlaps communication with compute (NCCL's streams), only ``max(comm − compute, longest single
 collective)`` is exposed; otherwise (gloo on CPU cores) all of it.
 
-**Pipeline**: every rank runs torch's own action order (:mod:`lightning_par3d.planning.schedule`) with each
+**Pipeline**: every rank runs torch's own action order (:mod:`lightning_par3d.planning.schedule_timing`) with each
 ``F`` its stage's forward (compute + tp), each ``B`` its backward, ``I`` and ``W`` half a backward each, the ``I``
 plus the split's own work (``k_b · σ``: the stage's backward ops at the machine's measured ``split_backward_op_s``,
 torch walking the autograd graph to split it; CPU work, so on a GPU only what outlasts the kernels), every action
@@ -368,7 +368,7 @@ def predict_step(
 ) -> StepTime:
     """The predicted step of ``layout`` (see the module docstring for every formula)."""
     from lightning_par3d.pipeline.actions import pipeline_actions
-    from lightning_par3d.planning.schedule import simulate
+    from lightning_par3d.planning.schedule_timing import simulate
 
     m = layout.microbatches if layout.pp > 1 else 1
     samples = rank_batch / m

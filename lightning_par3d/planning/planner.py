@@ -7,8 +7,8 @@ For each candidate of :mod:`~lightning_par3d.planning.candidates`, in order, the
    microbatches);
 2. the model cannot take it: par3d's own checks of the stage split and of the tensor-parallel plan raise (their
    message), or the precision does not go with its ZeRO stage;
-3. its memory (:mod:`~lightning_par3d.planning.memory`: :func:`~lightning_par3d.estimate_memory`'s figures) is more
-   than ``device_memory`` on some rank.
+3. its memory (:mod:`~lightning_par3d.planning.candidate_memory`: :func:`~lightning_par3d.estimate_memory`'s
+   figures) is more than ``device_memory`` on some rank.
 
 Every candidate that gets as far as its memory also gets a predicted step (:mod:`~lightning_par3d.planning.cost`).
 The per-layout work is shared: the model is probed once per pipeline split and tensor-parallel degree, the
@@ -25,10 +25,10 @@ from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.distributed.fakeworld import check_no_process_group, keep_excepthook
+from lightning_par3d.planning.candidate_memory import MemoryModel
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
 from lightning_par3d.planning.cost import StepTime, predict_step
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
-from lightning_par3d.planning.memory import MemoryModel
 from lightning_par3d.planning.probe import StageParams, StageWork, probe_layout, stage_params, stage_work
 from lightning_par3d.planning.table import PlanRow, PlanTable
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_par3d.config import Layout, Par3DConfig
-from lightning_par3d.config.styles import canonical
+from lightning_par3d.config.tp_vocabulary import canonical
 
 PROBE_BATCH = 2
 """Samples per probe run; FLOPs and bytes are divided by it (per sample)."""

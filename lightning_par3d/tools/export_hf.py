@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_par3d.checkpoint.hf import convert_checkpoint
+from lightning_par3d.checkpoint.pretrained import convert_checkpoint
 from lightning_par3d.tools.loading import example_of
 
 

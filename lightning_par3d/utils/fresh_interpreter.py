@@ -64,7 +64,7 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "the call", timeout_s: 
         request, result, log = Path(folder, "request.pkl"), Path(folder, "result.pkl"), Path(folder, "output.txt")
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
         # par3d itself is found where this process found it, the folder holding lightning_par3d/ (the rest of
-        # sys.path comes with the request); never lightning_par3d/ itself, whose accelerate.py would shadow the package.
+        # sys.path comes with the request); never lightning_par3d/ itself, whose modules would shadow top-level ones.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
         ask = {"sys_path": list(sys.path), "payload": payload, "cwd": os.getcwd()}
         code = _run(request, ask, result, log, env, timeout_s, what)

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_par3d.config.styles import canonical
+from lightning_par3d.config.tp_vocabulary import canonical
 
 COLUMN = ("colwise", "colwise_gather_output", "colwise_seq", "colwise_seq_gather_output")
 ROW = ("rowwise", "rowwise_split_input")

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par3d.checkpoint.adapters import adapter_keys, adapters_of, base_key, init_fresh_adapters, save_adapters
+from lightning_par3d.checkpoint.peft_files import (
+    adapter_keys,
+    adapters_of,
+    base_key,
+    init_fresh_adapters,
+    save_adapters,
+)
 from lightning_par3d.parallel.packed_shards import contiguous_copies, copy_back
 from lightning_par3d.utils.patterns import find_transformers_model
 
@@ -66,7 +72,7 @@ def load_pretrained(module: nn.Module, path: str, adapter_path: str | None = Non
 
     A ``peft`` model's base comes from ``path`` (its ``base_layer`` weights under the plain model's names), its
     adapters from ``adapter_path`` (peft's ``save_pretrained`` directory), or fresh
-    (:func:`~lightning_par3d.checkpoint.adapters.init_fresh_adapters`) without one."""
+    (:func:`~lightning_par3d.checkpoint.peft_files.init_fresh_adapters`) without one."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     prefix, _ = _transformers_model(module)
@@ -144,7 +150,7 @@ def _agree_on_problems(problems: list[str]) -> None:
 def save_pretrained(module: nn.Module, full_state: dict[str, torch.Tensor], directory: str | Path) -> Path:
     """Writes the transformers model inside ``module`` as a ``save_pretrained`` directory, from its whole,
     unsharded state (``full_state``, keyed as in ``module``); call it on one rank. Returns the directory. A ``peft``
-    model's adapters are written as peft writes them (:func:`~lightning_par3d.checkpoint.adapters.save_adapters`),
+    model's adapters are written as peft writes them (:func:`~lightning_par3d.checkpoint.peft_files.save_adapters`),
     its base not (it is the pretrained one)."""
     if adapters_of(module):
         return save_adapters(module, full_state, directory)

@@ -1,6 +1,6 @@
 """The engine's checkpoints: each rank's shards of the model and its optimizers, saved and loaded through
 ``torch.distributed.checkpoint`` (:mod:`lightning_par3d.checkpoint.dcp`: atomic, loadable at any layout), and the
-whole model gathered for a Hugging Face ``save_pretrained`` directory (:mod:`lightning_par3d.checkpoint.hf`).
+whole model gathered for a Hugging Face ``save_pretrained`` directory (:mod:`lightning_par3d.checkpoint.pretrained`).
 
 Names are the model's own at every layout: the module saved is the model itself, never the ``DistributedDataParallel``
 around it or the pipeline host around a plain model (:func:`saved_module`).
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_par3d.checkpoint import dcp, hf, rng
+from lightning_par3d.checkpoint import dcp, pretrained, rng
 from lightning_par3d.distributed import groups
 from lightning_par3d.distributed.agree import check_directory_is_shared
 from lightning_par3d.distributed.mesh import Par3DMesh
@@ -52,7 +52,7 @@ def save_pretrained(saved: nn.Module, state: dict[str, torch.Tensor] | None, dir
     if rank == 0:
         assert state is not None
         try:
-            hf.save_pretrained(saved, state, directory)
+            pretrained.save_pretrained(saved, state, directory)
         except Exception as error:  # every rank must learn of it, or the others would wait for ever
             outcome[0] = f"{type(error).__name__}: {error}"
     if dist.is_initialized():

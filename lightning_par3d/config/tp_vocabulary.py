@@ -1,5 +1,5 @@
 """The tensor-parallel style strings a plan may use, and what each stands for (plain names: the configuration checks
-them before anything is built; :mod:`lightning_par3d.parallel.styles` builds the torch ``ParallelStyle`` of each).
+them before anything is built; :mod:`lightning_par3d.parallel.tp_styles` builds the torch ``ParallelStyle`` of each).
 
 The names are Hugging Face transformers' ``tp_plan`` strings (version 5's, and 4.x's where they differ), so a
 transformers model's own plan works as it is:

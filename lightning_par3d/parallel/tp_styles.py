@@ -1,12 +1,12 @@
 """The torch ``ParallelStyle`` of each tensor-parallel style string (the strings and what they mean:
-:mod:`lightning_par3d.config.styles`), and the dimension each one splits."""
+:mod:`lightning_par3d.config.tp_vocabulary`), and the dimension each one splits."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_par3d.config.styles import PACK, canonical, unknown_style_message
+from lightning_par3d.config.tp_vocabulary import PACK, canonical, unknown_style_message
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,17 +59,17 @@ def build_style(style: str, module: nn.Module) -> ParallelStyle:
     }
     if style in simple:
         return simple[style]()
-    from lightning_par3d.parallel import local_styles, sequence_styles
+    from lightning_par3d.parallel import tp_local_styles, tp_sequence_styles
 
     custom: dict[str, Callable[[], ParallelStyle]] = {
-        "packed_colwise": lambda: local_styles.PackedLinear(dim=0, pack=PACK),
-        "packed_rowwise": lambda: local_styles.PackedLinear(dim=1, pack=PACK),
-        "replicated_with_grad_allreduce": local_styles.GradAllReduce,
-        "all_reduce": local_styles.OutputAllReduce,
-        "local_params": local_styles.LocalParams,
+        "packed_colwise": lambda: tp_local_styles.PackedLinear(dim=0, pack=PACK),
+        "packed_rowwise": lambda: tp_local_styles.PackedLinear(dim=1, pack=PACK),
+        "replicated_with_grad_allreduce": tp_local_styles.GradAllReduce,
+        "all_reduce": tp_local_styles.OutputAllReduce,
+        "local_params": tp_local_styles.LocalParams,
         "replicate": _replicate_style,
-        "sequence_shard": sequence_styles.SequenceShard,
-        "gather_sequence": sequence_styles.GatherSequence,
+        "sequence_shard": tp_sequence_styles.SequenceShard,
+        "gather_sequence": tp_sequence_styles.GatherSequence,
     }
     if style in custom:
         return custom[style]()

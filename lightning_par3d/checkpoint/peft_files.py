@@ -14,8 +14,8 @@ frozen base layer of an adapted ``nn.Linear`` is ``<layer>.base_layer.weight``, 
 built on the meta device around a meta base, given the trained adapters, and written by peft's own
 ``save_pretrained``: ``PeftModel.from_pretrained(base, directory)`` loads it in one plain process.
 
-**In**: :func:`lightning_par3d.checkpoint.hf.load_pretrained` reads the base from the pretrained directory and the
-adapters from ``adapter_path``, each rank only its slices; without ``adapter_path`` the adapters start fresh
+**In**: :func:`lightning_par3d.checkpoint.pretrained.load_pretrained` reads the base from the pretrained directory
+and the adapters from ``adapter_path``, each rank only its slices; without ``adapter_path`` the adapters start fresh
 (:func:`init_fresh_adapters`).
 """
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par3d.parallel.adapters import is_lora_layer
+from lightning_par3d.parallel.lora_plan import is_lora_layer
 from lightning_par3d.utils.patterns import find_peft_model
 
 
