@@ -331,3 +331,28 @@ def test_a_candidate_refused_alike_on_every_rank_falls_back_to_the_first_choice(
     printed = results[0]["printed"]
     assert "measuring B was refused alike on every rank (TypeError: training_step needs a Trainer here)" in printed
     assert "training the planner's first choice, A." in printed
+
+
+def test_one_rebatching_behind_every_front_end_keeps_every_argument_and_refuses_a_batch_sampler():
+    """``layout="auto"``'s per-rank batch size, applied to a training loader the same way at every front-end: every
+    other argument of the loader kept; a loader batched by a ``batch_sampler`` refused with the fix (Accelerate's
+    path used to copy some arguments only and leave such a loader at its own size: another global batch)."""
+    from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
+
+    from lightning_par3d.engine.rebatching import KEPT, with_batch_size
+
+    data = TensorDataset(torch.arange(16))
+    loader = DataLoader(data, batch_size=4, shuffle=True, drop_last=True, generator=torch.Generator(), in_order=False)
+    remade = with_batch_size(loader, 2)
+    assert remade.batch_size == 2 and all(getattr(remade, k) is getattr(loader, k) for k in KEPT if k != "sampler")
+    assert type(remade.sampler) is type(loader.sampler) and remade.sampler.generator is loader.generator
+    assert with_batch_size(remade, 2) is remade
+    batched = DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 4, drop_last=False))
+    with pytest.raises(ValueError, match=r"batches through a batch_sampler\. Give the DataLoader batch_size="):
+        with_batch_size(batched, 2)
+
+    class Custom(DataLoader):
+        pass
+
+    with pytest.raises(ValueError, match="a Custom, a DataLoader subclass whose own arguments par3d cannot know"):
+        with_batch_size(Custom(data, batch_size=4), 2)

@@ -169,3 +169,35 @@ def test_no_module_of_the_package_is_named_like_a_package_users_import():
     from lightning_par3d.accelerate import Par3DAccelerator  # the alias users import keeps working
 
     assert Par3DAccelerator.__module__ == "lightning_par3d.integrations.accelerator"
+
+
+def test_the_private_framework_apis_par3d_uses_are_where_they_were_read():
+    """Every private Lightning name of ``integrations/framework_private.py`` resolves, and Accelerate's ``Accelerator``
+    still has the private attributes and methods par3d uses: an upgrade that moves one fails here, by name."""
+    import inspect
+
+    from accelerate import Accelerator
+
+    from lightning_par3d.integrations import framework_private
+
+    for name, (module, private) in framework_private._LIGHTNING.items():
+        assert getattr(framework_private, name) is getattr(importlib.import_module(module), private), name
+    init = inspect.getsource(Accelerator.__init__)
+    for attribute in framework_private.ACCELERATOR_ATTRIBUTES:
+        assert f"self.{attribute} = " in init, f"Accelerator no longer sets {attribute} in __init__"
+    for method in framework_private.ACCELERATOR_METHODS:
+        assert callable(getattr(Accelerator, method, None)), f"Accelerator has no {method} to override"
+
+
+def test_no_other_module_imports_a_private_name_of_lightning_or_accelerate():
+    """Private Lightning and Accelerate names come through ``integrations/framework_private.py`` only."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "framework_private.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("lightning", "accelerate"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                private += [node.module] if any(part.startswith("_") for part in (node.module or "").split(".")) else []
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in private]
+    assert found == []

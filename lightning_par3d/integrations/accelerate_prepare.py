@@ -26,28 +26,12 @@ from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.measure import measure_with
+from lightning_par3d.engine.rebatching import with_batch_size
 from lightning_par3d.engine.tokens import read_ahead
+from lightning_par3d.integrations.framework_private import prepared_models, prepared_optimizers
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.planning.at_launch import batch_shape, meta_copy, surrogate_loss
 from lightning_par3d.utils.model_changes import set_attribute
-
-
-def rebatch(loader: DataLoader, batch_size: int) -> DataLoader:
-    """``loader`` re-made with ``batch_size`` (its dataset, sampler, collation and workers kept), before Accelerate
-    shards it over the data-parallel ranks."""
-    return DataLoader(
-        loader.dataset,
-        batch_size=batch_size,
-        sampler=loader.sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
 
 
 class PreparedForPar3D(Accelerator):
@@ -85,9 +69,9 @@ class PreparedForPar3D(Accelerator):
         sample = measure_with(self.engine.config, copied, loader, surrogate_loss, self.project_dir)
         self.engine.choose_layout(copied if self.is_main_process else None, rank_batch, seq_len, sample=sample)
         split = self.engine.batch_split
-        if loader is None or split is None or loader.batch_size in (None, split.rank_batch):
+        if loader is None or split is None:
             return args
-        return tuple(rebatch(arg, split.rank_batch) if arg is loader else arg for arg in args)
+        return tuple(with_batch_size(arg, split.rank_batch) if arg is loader else arg for arg in args)
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
@@ -107,7 +91,7 @@ class PreparedForPar3D(Accelerator):
             autocast = get_mixed_precision_context_manager(self.native_amp, self.autocast_handler)
             set_attribute(target, "forward", convert_outputs_to_fp32(autocast(target.forward)))
         trained._is_accelerate_prepared = True  # type: ignore[assignment]
-        self._models.append(trained)
+        prepared_models(self).append(trained)
         return trained
 
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Optimizer:
@@ -115,7 +99,7 @@ class PreparedForPar3D(Accelerator):
         at them by name), wrapped in par3d's ZeRO-1/2 optimizer where configured, and in Accelerate's."""
         if getattr(optimizer, "_is_accelerate_prepared", False):
             return optimizer
-        if not self._models:
+        if not prepared_models(self):
             raise RuntimeError(
                 "Prepare the model before (or together with) its optimizer: par3d replaces the model's parameters "
                 "with their shards, and the optimizer must follow them."
@@ -128,15 +112,15 @@ class PreparedForPar3D(Accelerator):
             )
         [inner] = self.engine.setup_optimizers([optimizer])
         wrapped = AcceleratedOptimizer(inner, device_placement=False, scaler=self.scaler)
-        self._optimizers.append(wrapped)
+        prepared_optimizers(self).append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """One scheduler step per optimizer step (Accelerate's default steps it once per process)."""
         if getattr(scheduler, "_is_accelerate_prepared", False):
             return scheduler
-        optimizers: Any = self._optimizers
-        for optimizer in self._optimizers:
+        optimizers: Any = prepared_optimizers(self)
+        for optimizer in prepared_optimizers(self):
             inner = optimizer.optimizer
             if scheduler.optimizer in (inner, getattr(inner, "wrapped", None)):
                 scheduler.optimizer = inner  # a ZeRO wrapper shares the wrapped optimizer's parameter groups

@@ -23,6 +23,7 @@ from lightning_par3d.checkpoint.state_folders import (
 from lightning_par3d.distributed.agree import on_rank_zero
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.saving import after_saves
+from lightning_par3d.integrations.framework_private import without_models
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.utils.model_changes import restore_attribute
 
@@ -91,18 +92,16 @@ class Par3DStateCheckpoints(Accelerator):
     def _save_state_into(self, staging: Path, safe_serialization: bool, **kwargs: Any) -> None:
         """Accelerate's own files (not the model and optimizers: par3d saves those) and par3d's checkpoint, into
         ``staging``."""
-        models, optimizers = self._models, self._optimizers  # type: ignore[has-type]
         naming = self.project_configuration.automatic_checkpoint_naming
-        self._models, self._optimizers = [], []
         self.project_configuration.automatic_checkpoint_naming = False  # the staging folder, not Accelerate's name
         try:
-            super().save_state(str(staging), safe_serialization, **kwargs)
+            with without_models(self) as (_, optimizers):
+                super().save_state(str(staging), safe_serialization, **kwargs)
         finally:
-            self._models, self._optimizers = models, optimizers
             self.project_configuration.automatic_checkpoint_naming = naming
         states = [self.engine.optimizer_state(optimizer) for optimizer in optimizers]
         # Accelerate saves and restores each process's random generators itself
-        self.engine.save(staging / PAR3D_FOLDER, {"step": self.step}, states, streams=False)  # type: ignore[has-type]
+        self.engine.save(staging / PAR3D_FOLDER, {"step": self.step}, states, streams=False)
 
     def _finish_saves(self) -> None:
         """Waits for a save in flight (raising its error) and frees the folder's lock it held."""
@@ -129,11 +128,7 @@ class Par3DStateCheckpoints(Accelerator):
         naming = self.project_configuration.automatic_checkpoint_naming
         folder = folder_to_load(self.project_dir, input_dir, naming)
         check_before_loading(folder)
-        models, optimizers = self._models, self._optimizers
-        self._models, self._optimizers = [], []
-        try:
+        with without_models(self) as (_, optimizers):
             super().load_state(str(folder), load_kwargs, **kwargs)
-        finally:
-            self._models, self._optimizers = models, optimizers
         metadata = self.engine.load(folder / PAR3D_FOLDER, optimizers, streams=False)
         self.step = int(metadata.get("step", self.step))  # type: ignore[arg-type, has-type]

@@ -24,12 +24,9 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -39,6 +36,13 @@ from lightning_par3d.config import Par3DConfig, field_keywords
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
+from lightning_par3d.integrations.framework_private import (
+    PATH,
+    BackwardSyncControl,
+    FabricScriptLauncher,
+    all_gather_over,
+    sync_over,
+)
 from lightning_par3d.integrations.lightning_data import rebatched
 from lightning_par3d.integrations.registry import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
@@ -50,7 +54,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
     engine, same checkpoint layout: a :class:`~lightning_par3d.config.Par3DConfig`, or its fields as typed keyword
     arguments."""
 
-    launcher_class = _SubprocessScriptLauncher
+    launcher_class = FabricScriptLauncher
 
     @field_keywords
     def __init__(
@@ -210,7 +214,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         if not _is_the_world(group):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_over(tensor, group, reduce_op=reduce_op)
         return self.engine.reduce(tensor, reduce_op)
 
     @override
@@ -221,7 +225,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
             if self.engine.layout.dp == 1:
                 return tensor.unsqueeze(0)
             group = self.engine.mesh["dp"].get_group()
-        return _all_gather_ddp_if_available(tensor, group, sync_grads=sync_grads)
+        return all_gather_over(tensor, group, sync_grads=sync_grads)
 
     @override
     def clip_gradients_norm(
@@ -244,7 +248,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: PATH,
         state: dict[str, Module | Optimizer | Any],
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
@@ -260,7 +264,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PATH,
         state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
         strict: bool = True,
         weights_only: bool | None = None,
@@ -278,7 +282,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
         return metadata
 
 
-class _Par3DBackwardSyncControl(_BackwardSyncControl):
+class _Par3DBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: DDP's or FSDP2's gradient sync off, and ZeRO-1's all-reduce."""
 
     def __init__(self, engine: Par3DEngine) -> None:

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par3d.engine import Par3DEngine
+from lightning_par3d.engine.rebatching import with_batch_size
 
 
 def check_epochs(engine: Par3DEngine, trainer: pl.Trainer) -> None:
@@ -39,25 +40,21 @@ def rebatched(engine: Par3DEngine, loader: Any) -> Any:
     (:attr:`Par3DEngine.batch_split <lightning_par3d.engine.Par3DEngine.batch_split>`): re-made with that
     ``batch_size`` as Lightning re-makes dataloaders (its own saved arguments), or as it is where the size is already
     right or nothing was chosen."""
-    from torch.utils.data import DataLoader
 
     split = engine.batch_split
-    if split is None or not isinstance(loader, DataLoader) or loader.batch_size == split.rank_batch:
-        return loader
-    if loader.batch_size is None:
-        raise ValueError(
-            "layout='auto' keeps the global batch by choosing each rank's batch_size, but the training dataloader "
-            "batches through a batch_sampler. Give the DataLoader batch_size= (and let Lightning's sampler split the "
-            "data), or pin the layout."
-        )
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
+    return loader if split is None else with_batch_size(loader, split.rank_batch, _as_lightning_remakes)
 
-    saved_args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
-    kwargs["batch_size"] = split.rank_batch
+
+def _as_lightning_remakes(loader: Any, batch_size: int) -> Any:
+    """``loader`` re-made with ``batch_size`` from the arguments Lightning saved when it was built (a subclass too)."""
+    from lightning_par3d.integrations.framework_private import dataloader_init_arguments, reinstantiate_dataloader
+
+    saved_args, kwargs = dataloader_init_arguments(loader, loader.sampler)
+    kwargs["batch_size"] = batch_size
     if "batch_sampler" in kwargs:
         kwargs["batch_sampler"] = None
-    args = [split.rank_batch if i == 1 and isinstance(a, int) else a for i, a in enumerate(saved_args)]
-    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+    args = [batch_size if i == 1 and isinstance(a, int) else a for i, a in enumerate(saved_args)]
+    return reinstantiate_dataloader(loader, *args, **kwargs)
 
 
 def data_sources(trainer: pl.Trainer) -> list[tuple[Any, str, tuple[int | float, ...]]]:

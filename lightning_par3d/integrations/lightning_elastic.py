@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning.fabric.utilities.data import _update_dataloader
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import ElasticSampler, ElasticState, accumulation_for
+from lightning_par3d.integrations.framework_private import update_dataloader
 
 STATE_KEY = "par3d_elastic"
 """The checkpoint entry of an elastic run's :class:`~lightning_par3d.engine.elastic.ElasticState`."""
@@ -92,7 +92,7 @@ class ElasticRun:
             old.dataset,  # type: ignore[arg-type]  # DistributedSampler needs a sized dataset too
             old.num_replicas, old.rank, old.shuffle, old.seed, old.drop_last, start_epoch, start_sample
         )  # fmt: skip
-        return _update_dataloader(dataloader, sampler)
+        return update_dataloader(dataloader, sampler)
 
     @staticmethod
     def _restate_batch_counters(trainer: Any, samples_in_epoch: int, samples_per_batch: int) -> None:

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par3d.checkpoint.dcp import restore_previous_checkpoints
+from lightning_par3d.integrations.framework_private import TrainerScriptLauncher
 
 
-class Par3DLauncher(_SubprocessScriptLauncher):
+class Par3DLauncher(TrainerScriptLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer is not None:

@@ -16,12 +16,6 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -33,6 +27,12 @@ from lightning_par3d.distributed.threads import set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import check_front_end
 from lightning_par3d.engine.measure import MeasureWith
+from lightning_par3d.integrations.framework_private import (
+    DeviceDtypeModuleMixin,
+    default_backend_for,
+    distributed_is_initialized,
+    init_dist_connection,
+)
 from lightning_par3d.planning.at_launch import batch_shape
 from lightning_par3d.utils.console import known_upstream_warnings_once_per_job
 
@@ -54,9 +54,9 @@ def init_distributed(
     ranks) if nobody has, giving the ranks at least :data:`~lightning_par3d.distributed.groups.JOIN_TIMEOUT_FLOOR_S` to
     join; returns the backend. :meth:`Par3DEngine.setup <lightning_par3d.engine.Par3DEngine.setup>` then sets the
     collective timeout, as it does for a group anyone else created."""
-    backend = backend or _get_default_process_group_backend_for_device(device)
+    backend = backend or default_backend_for(device)
     store = groups.restart_store(timeout_s)  # under torchrun: this launch's keys only
-    _init_dist_connection(
+    init_dist_connection(
         cluster_environment,
         backend,
         timeout=groups.join_timeout(timeout_s),
@@ -83,7 +83,7 @@ def point_at_device(module: torch.nn.Module, device: torch.device) -> None:
     """Tells Lightning's modules (their ``.device``) where the materialized model lives: par3d moved the model to
     meta and materialized it with ``to_empty``, which Lightning's device bookkeeping does not see."""
     for sub in module.modules():
-        if isinstance(sub, _DeviceDtypeModuleMixin):
+        if isinstance(sub, DeviceDtypeModuleMixin):
             sub._device = device
 
 
@@ -166,7 +166,7 @@ def end_job_on_uncaught_exception(launcher: Any, engine: Par3DEngine) -> None:
 
 def broadcast(obj: T, src: int = 0) -> T:
     """``obj`` from rank ``src`` on every rank (pickled)."""
-    if not _distributed_is_initialized():
+    if not distributed_is_initialized():
         return obj
     box: list[Any] = [obj]
     torch.distributed.broadcast_object_list(box, src)

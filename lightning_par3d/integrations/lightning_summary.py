@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
-from lightning.pytorch.utilities.model_summary.model_summary import (
-    _format_summary_table,
-    get_formatted_model_size,
-    get_human_readable_count,
-)
+from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from typing_extensions import override
+
+from lightning_par3d.integrations.framework_private import format_summary_table
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -81,7 +79,7 @@ class Par3DModelSummary(ModelSummary):
             self.print_summary(whole)
 
     def print_summary(self, whole: WholeModelSummary) -> None:
-        table = _format_summary_table(whole.total, whole.trainable, whole.size_mb, whole.modes, 0, *whole.columns)
+        table = format_summary_table(whole.total, whole.trainable, whole.size_mb, whole.modes, 0, *whole.columns)
         log.info("\n" + table.rsplit("\n", 1)[0])  # without Lightning's "Total Flops" line
 
 

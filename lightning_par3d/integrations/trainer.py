@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -27,6 +26,7 @@ from lightning_par3d.engine.measure import measure_with
 from lightning_par3d.engine.saving import after_saves
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
+from lightning_par3d.integrations.framework_private import PATH, sync_over
 from lightning_par3d.integrations.lightning_compile import TakesCompiledModules
 from lightning_par3d.integrations.lightning_data import check_epochs, rebatched
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
@@ -264,14 +264,14 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         if not isinstance(tensor, Tensor):
             return tensor
         if group is not None:
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_over(tensor, group, reduce_op=reduce_op)
         return self.engine.reduce(tensor, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agreed over every rank (ModelCheckpoint, EarlyStopping)."""
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        flag = sync_over(flag, None, reduce_op="sum")
         return bool(flag == self.world_size) if all else bool(flag)
 
     # ---------------------------------------------------------------- checkpoints: each rank's shards, with DCP
@@ -303,7 +303,7 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         """Nothing to do: :meth:`load_checkpoint` restored the shards in place."""
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
         """Saves Lightning's checkpoint dict: the shards with DCP, the rest (loops, callbacks) as ``meta.pt``."""
         if storage_options is not None:
             raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`.")
@@ -312,7 +312,7 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         self.engine.save(self.broadcast(str(filepath)), checkpoint, optimizer_states, model_state)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Restores the shards in place (saved at any layout) and returns the rest of the checkpoint."""
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
@@ -322,7 +322,7 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         return checkpoint
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PATH) -> None:
         """Removes an older checkpoint (rank 0), once a save still written in the background has its name."""
         if self.is_global_zero:
             after_saves(self.engine.background, lambda: remove_checkpoint(Path(filepath)))
