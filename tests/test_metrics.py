@@ -249,47 +249,57 @@ class _Recorder(L.pytorch.loggers.Logger):
         pass
 
 
-class _BatchEnds(L.Callback):
+class _OneSecondBatches(L.Callback):
+    """The clock Lightning's ``ThroughputMonitor`` reads (its module's ``time``), made to advance exactly one second
+    per training batch: the rates it logs are then counts, which the test checks exactly, not against another
+    clock of a loaded machine."""
+
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.now = 0.0
 
-    def on_train_batch_end(self, *args: Any) -> None:
-        import time
+    def perf_counter(self) -> float:
+        return self.now
 
-        self.times.append(time.perf_counter())
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.now += 1.0
 
 
 def throughput_job(steps: int = 8, window: int = 4) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import throughput_monitor
+
     from lightning_par3d import Par3DStrategy
     from lightning_par3d.callbacks import ThroughputMonitor
 
     L.seed_everything(SEED, verbose=False)
-    recorder, ends = _Recorder(), _BatchEnds()
+    recorder, clock = _Recorder(), _OneSecondBatches()
     monitor = ThroughputMonitor(
         batch_size_fn=lambda batch: batch[0].shape[0], window_size=window, peak_flops_per_device=1e12
     )
     par3d = Par3DStrategy(dp_shard=2, tp=2, timeout_s=120)
     kwargs = trainer_kwargs(max_steps=steps, log_every_n_steps=1)
     kwargs["logger"] = recorder
-    trainer = L.Trainer(devices=4, strategy=par3d, callbacks=[ends, monitor], **kwargs)
+    trainer = L.Trainer(devices=4, strategy=par3d, callbacks=[clock, monitor], **kwargs)
     module = GPTModule(**MODEL)
     module.flops_per_batch = 1e9  # the whole model's FLOPs on one rank's batch, as measure_flops gives them
-    trainer.fit(module, ShakespeareDataModule(batch_size=EVAL_BATCH // 2, **EVAL_DATA))
+    real_time, throughput_monitor.time = throughput_monitor.time, clock  # type: ignore[assignment]
+    try:
+        trainer.fit(module, ShakespeareDataModule(batch_size=EVAL_BATCH // 2, **EVAL_DATA))
+    finally:
+        throughput_monitor.time = real_time
     if not trainer.is_global_zero:  # the monitor computes on rank 0
         return {}
     last = [m for m in recorder.metrics if "train/samples_per_sec" in m][-1]
-    return {"metrics": last, "times": ends.times}
+    return {"metrics": last}
 
 
 def test_throughput_counts_each_sample_once(pool4):
-    got = pool4.run(throughput_job)[0]
-    metrics, times = got["metrics"], got["times"]
-    window = 4
-    elapsed = times[-1] - times[-window]  # the monitor's window: its last `window` batch ends
-    expected = EVAL_BATCH * (window - 1) / elapsed  # the global batch per step, every sample once
-    assert metrics["train/samples_per_sec"] == pytest.approx(expected, rel=0.05)
+    """At dp2 × tp2, one second per batch (the monitor's clock, see ``_OneSecondBatches``): the global batch each
+    second, every sample once (Lightning's own monitor would count each twice, tp × dp ranks)."""
+    metrics = pool4.run(throughput_job)[0]["metrics"]
+    assert metrics["train/samples_per_sec"] == pytest.approx(EVAL_BATCH, rel=1e-9)
+    assert metrics["train/batches_per_sec"] == pytest.approx(2, rel=1e-9)  # one batch per second per dp rank
     # The whole model's FLOPs per global batch: dp × flops_per_batch per step, over 4 devices for MFU.
-    assert metrics["train/flops_per_sec"] == pytest.approx(2 * 1e9 * (window - 1) / elapsed, rel=0.05)
+    assert metrics["train/flops_per_sec"] == pytest.approx(2 * 1e9, rel=1e-9)
     assert metrics["train/device/mfu"] == pytest.approx(metrics["train/flops_per_sec"] / 4 / 1e12, rel=1e-6)
 
 

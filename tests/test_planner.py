@@ -440,7 +440,7 @@ def test_calibrate_measures_this_machine():
     machine = calibrate(2, seconds=0.05)
     assert machine.flops_for("32-true") > 1e8 and 0 < machine.op_overhead_s < 1e-2
     assert machine.intra_node.bandwidth > 1e6 and math.isfinite(machine.intra_node.latency_s)
-    assert machine.measurements["measuring_s"] < 30
+    assert 0 < machine.measurements["measuring_s"] < machine.measurements["calibration_s"]  # a part of the whole
     assert machine.intra_node.reduce_scatter_factor >= 1.0
     assert 0 < machine.split_backward_op_s < 1e-2  # torch's split walks the graph in Python: never free on a CPU
     forward, backward = machine.tp_module_s  # DTensor's dispatch and autograd functions: never free either
