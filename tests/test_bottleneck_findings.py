@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_par3d.callbacks.bottleneck_findings import ReportContext, suggest
+from lightning_par3d.callbacks.bottleneck.findings import ReportContext, suggest
 from lightning_par3d.config import Layout
 
 

@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_par3d.callbacks.bottleneck_analysis import Event, analyze_steps
+from lightning_par3d.callbacks.bottleneck.analysis import Event, analyze_steps
 from lightning_par3d.callbacks.intervals import intersect, length, merge, subtract
 
 # ---------------------------------------------------------------- unit: intervals and attribution

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_par3d.callbacks.bottleneck_analysis import OBSERVER
+from lightning_par3d.callbacks.bottleneck.analysis import OBSERVER
 from lightning_par3d.callbacks.memory_report import format_summary, plot_memory, write_csv
 from lightning_par3d.callbacks.run_context import output_directory, pp_rank, unconfigured_copy
 from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes

@@ -1,7 +1,7 @@
 """The bottleneck report's advice: each change it might suggest, with the step it predicts, from what the run
 measured, through the planner's cost model.
 
-The run measured its step on every rank, split into buckets (:mod:`lightning_par3d.callbacks.bottleneck_analysis`):
+The run measured its step on every rank, split into buckets (:mod:`lightning_par3d.callbacks.bottleneck.analysis`):
 compute (forward, backward, optimizer), tensor-parallel collectives, data-parallel collectives, the pipeline's
 send/recv and idle time, and the rest (dataloader wait, Lightning's loop, par3d's own measuring). The cost model
 (:mod:`lightning_par3d.planning.cost`) predicts the same buckets for any layout, from the model's FLOPs and ops, its

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_par3d.callbacks.bottleneck_analysis import BUCKETS, COMPUTE_BUCKETS, StepTimes
+from lightning_par3d.callbacks.bottleneck.analysis import BUCKETS, COMPUTE_BUCKETS, StepTimes
 
 SEVERITIES = (("critical", 0.40), ("high", 0.25), ("medium", 0.10), ("low", 0.0))
 """A bucket's severity by its share of the step: the first threshold it reaches."""
