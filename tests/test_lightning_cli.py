@@ -13,9 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from lightning_par3d.accelerate import Par3DAccelerator
 
 from lightning_par3d import Par3DConfig, Par3DFabricStrategy, Par3DStrategy
+from lightning_par3d.accelerate import Par3DAccelerator
 from tests.test_docs import COMMANDS, documented  # noqa: F401  (the docs' runs, parametrized below)
 
 ROOT = Path(__file__).resolve().parents[1]
