@@ -316,3 +316,14 @@ def test_the_in_place_move_skip_is_the_building_threads_only():
         user.join()
     assert applied == ["a user's thread"]
     assert torch.nn.Module.to is torchs_own
+
+
+def test_a_batch_smaller_than_the_microbatches_is_refused_by_name_before_anything_is_built():
+    """It used to fail inside the probe, with ``cannot reshape tensor of 0 elements``."""
+    with pytest.raises(ValueError, match=r"batch of 1 sample\(s\) does not split into microbatches=4 equal .*"
+                                         r"\(a multiple of 4.* or use microbatches=1 or fewer"):  # fmt: skip
+        estimate_memory(GPTModule(**MODEL), Par3DConfig(pp=2, microbatches=4), 2, (1, MODEL["block_size"]))
+    with pytest.raises(
+        ValueError, match=r"batch of 6 sample\(s\) does not split into microbatches=4 .* microbatches=3"
+    ):
+        estimate_memory(GPTModule(**MODEL), Par3DConfig(pp=2, microbatches=4), 2, (6, MODEL["block_size"]))

@@ -534,3 +534,26 @@ def test_benchmark_trains_a_planned_layout(pool4):
     config = Par3DConfig(dp_shard=2, tp=2, zero_stage=2)
     times = pool4.run(timed_layout, config=config, steps=3, warmup=1, model="qwen2")[0]
     assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_the_planners_cyclic_garbage_is_kept_not_cleared():
+    """torch crashes when the collector clears cycles of fake or meta tensors (an 8B plan died in
+    ``THPVariable_clear``): within ``garbage_kept`` the collector is paused (nested sections too), and after the
+    outermost the cycles it would have cleared are kept, the collector running again."""
+    import gc
+
+    import torch
+
+    from lightning_par3d.distributed import fakeworld
+
+    kept = len(fakeworld._KEPT)
+    with fakeworld.garbage_kept():
+        cycle: list = [torch.empty(2, device="meta")]
+        cycle.append(cycle)
+        with fakeworld.garbage_kept():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+        witness = id(cycle)
+        del cycle
+    assert gc.isenabled()
+    assert any(id(obj) == witness for obj in fakeworld._KEPT[kept:])  # handed over, not cleared

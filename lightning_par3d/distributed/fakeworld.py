@@ -10,11 +10,20 @@ DTensor caches its sharding decisions by mesh *equality*, and a cached decision 
 mesh of a later fake world that equals one of an earlier world (the same ranks and names) is then handed the earlier
 mesh, whose process groups are gone: its next collective fails with "Could not resolve the process group". Leaving a
 fake world (:func:`forget_meshes`) clears that cache.
+
+torch 2.13 crashes when Python's cyclic garbage collector clears a reference cycle that holds the fake and meta
+tensors, DTensors and fake-group modules the planner and the estimator build: the planner of an 8B Llama at 64 ranks
+died with a segmentation fault, ``free(): corrupted unsorted chunks`` or ``self->cdata.use_count() == 1 INTERNAL
+ASSERT FAILED`` inside the collector (``THPVariable_clear``), and a 1.5B at 8 ranks with ``pybind11_object_dealloc():
+Tried to deallocate unregistered instance!``; small models, whose builds rarely reach the collector's threshold, never.
+:func:`garbage_kept` keeps the collector from clearing those cycles.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -62,3 +71,40 @@ def fake_world(world_size: int) -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+_KEPT: list[object] = []
+"""The cyclic garbage the planner, the estimator and the dry run left, kept alive (see :func:`garbage_kept`)."""
+_DEPTH = threading.local()
+
+
+@contextmanager
+def garbage_kept() -> Iterator[None]:
+    """The cyclic garbage collector paused within (the planner, the estimator, the dry run), and what it would have
+    had to clear handed over instead, and kept.
+
+    At the end of the outermost such section (they nest), the collector runs once with ``gc.DEBUG_SAVEALL``, which
+    hands every unreachable cycle over instead of clearing it (see the module docstring for the crashes clearing
+    causes), and the cycles are kept for the rest of the process. What they hold is Python objects only: fake and
+    meta tensors have no storage (an 8B Llama's whole plan keeps under 1 GiB of them; a run's process never plans).
+    Reference counting frees everything else as usual, within the section too."""
+    depth = getattr(_DEPTH, "value", 0)
+    _DEPTH.value = depth + 1
+    enabled = gc.isenabled()
+    if depth == 0:
+        gc.disable()
+    try:
+        yield
+    finally:
+        _DEPTH.value = depth
+        if depth == 0:
+            flags = gc.get_debug()
+            gc.set_debug(flags | gc.DEBUG_SAVEALL)
+            try:
+                gc.collect()
+                _KEPT.extend(gc.garbage)
+                gc.garbage.clear()
+            finally:
+                gc.set_debug(flags)
+                if enabled:
+                    gc.enable()

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_par3d import compose as build
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import fake_world
+from lightning_par3d.distributed.fakeworld import fake_world, garbage_kept
 from lightning_par3d.distributed.groups import fake_group
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
@@ -186,9 +186,11 @@ def estimate_memory(
         raise ValueError(f"optimizer={optimizer!r} is not known. Allowed: {', '.join(OPTIMIZER_STATE_LAYOUTS)}.")
     mesh = Par3DMesh(layout)
     micro = config.microbatches if layout.pp > 1 else 1
+    check_batch_splits(_rows_of(batch), micro)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
-        stages = _measure_stages(module, config, layout, batch, micro, precision, loss_fn)
+        with garbage_kept():
+            stages = _measure_stages(module, config, layout, batch, micro, precision, loss_fn)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []
     for pp_rank in range(layout.pp):
@@ -426,6 +428,29 @@ def _first(batch: Any) -> Any:
 
 def _shape_of(item: Any) -> tuple[int, ...]:
     return tuple(item.shape) if isinstance(item, Tensor) else tuple(item)
+
+
+def _rows_of(batch: Any) -> int | None:
+    """The samples of one data-parallel rank's batch (a shape's first number, or the first tensor's first
+    dimension); None where it has none."""
+    if isinstance(batch, tuple) and batch and all(isinstance(x, int) for x in batch):
+        return int(batch[0])
+    first = next((x for x in (batch if isinstance(batch, (tuple, list)) else [batch]) if isinstance(x, Tensor)), None)
+    return int(first.shape[0]) if first is not None and first.dim() else None
+
+
+def check_batch_splits(rows: int | None, microbatches: int) -> None:
+    """Raises ``ValueError`` where a rank's batch of ``rows`` samples does not split into ``microbatches`` equal
+    microbatches (a run refuses it too), naming both and the fix, before anything is built."""
+    if rows is None or microbatches <= 1 or (rows >= microbatches and rows % microbatches == 0):
+        return
+    fits = next(m for m in range(microbatches, 0, -1) if rows % m == 0) if rows > 0 else 1
+    raise ValueError(
+        f"A data-parallel rank's batch of {rows} sample(s) does not split into microbatches={microbatches} equal "
+        f"microbatches: each pipeline microbatch needs {rows / microbatches:g} samples. Give each rank a batch that "
+        f"microbatches divides (a multiple of {microbatches}: batch_size, or global_batch / dp), or use "
+        f"microbatches={fits} or fewer."
+    )
 
 
 def _fake_batch(batch: Any) -> list[Any]:

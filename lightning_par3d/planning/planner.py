@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import check_no_process_group, keep_excepthook
+from lightning_par3d.distributed.fakeworld import check_no_process_group, garbage_kept, keep_excepthook
 from lightning_par3d.planning.candidate_memory import MemoryModel
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
 from lightning_par3d.planning.cost import StepTime, predict_step
@@ -88,7 +88,7 @@ def plan(
     rows = []
     seen: set[tuple[Any, ...]] = set()
     fits_plainly: set[Layout] = set()  # layouts that fit without activation checkpointing
-    with keep_excepthook():
+    with keep_excepthook(), garbage_kept():
         for config in candidates(world_size, setup.search, setup.fixed, setup.base):
             row = _evaluate(config, setup, probes, memory, fits_plainly)
             key = (row.layout, config.activation_checkpointing) if row.layout is not None else None
@@ -139,7 +139,7 @@ def evaluate(
     )  # fmt: skip
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
-    with keep_excepthook():
+    with keep_excepthook(), garbage_kept():
         return [_evaluate(config, setup, probes, memory, set()) for config in configs]
 
 

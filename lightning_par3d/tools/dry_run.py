@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
+from lightning_par3d.distributed.fakeworld import garbage_kept
 
 MIB = 2**20
 
@@ -168,6 +169,22 @@ def run_rank(
 ) -> DryRunRank:
     """Rank ``rank`` of a fake world: build, step and plan the save, as the module docstring says. Call it in a
     process without a process group (``dry_run`` gives it a fresh one)."""
+    with garbage_kept():  # see lightning_par3d.distributed.fakeworld
+        return _run_rank(module, config, world_size, rank, batch, precision, device_type, steps, loss_fn, optimizer)
+
+
+def _run_rank(
+    module: nn.Module | Callable[[], nn.Module],
+    config: Par3DConfig,
+    world_size: int,
+    rank: int,
+    batch: Any,
+    precision: str,
+    device_type: str,
+    steps: int,
+    loss_fn: Callable[..., Tensor] | None,
+    optimizer: Callable[[Any], Any] | None,
+) -> DryRunRank:
     from lightning_par3d.engine import Par3DEngine
     from lightning_par3d.engine.trial import module_optimizers, to_device
     from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
