@@ -155,6 +155,7 @@ def dry_run(
 # ---------------------------------------------------------------- in the rank's own process
 
 
+@garbage_kept()  # the collector kept from clearing fake tensors: see lightning_par3d.distributed.fakeworld
 def run_rank(
     module: nn.Module | Callable[[], nn.Module],
     config: Par3DConfig,
@@ -169,22 +170,6 @@ def run_rank(
 ) -> DryRunRank:
     """Rank ``rank`` of a fake world: build, step and plan the save, as the module docstring says. Call it in a
     process without a process group (``dry_run`` gives it a fresh one)."""
-    with garbage_kept():  # see lightning_par3d.distributed.fakeworld
-        return _run_rank(module, config, world_size, rank, batch, precision, device_type, steps, loss_fn, optimizer)
-
-
-def _run_rank(
-    module: nn.Module | Callable[[], nn.Module],
-    config: Par3DConfig,
-    world_size: int,
-    rank: int,
-    batch: Any,
-    precision: str,
-    device_type: str,
-    steps: int,
-    loss_fn: Callable[..., Tensor] | None,
-    optimizer: Callable[[Any], Any] | None,
-) -> DryRunRank:
     from lightning_par3d.engine import Par3DEngine
     from lightning_par3d.engine.trial import module_optimizers, to_device
     from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
