@@ -28,6 +28,7 @@ from lightning_par3d.memory.estimate import MemoryEstimate, estimate_memory
 from lightning_par3d.memory.meters import SavedTensorMeter, model_state_bytes
 from lightning_par3d.planning import calibrate, choose_layout, plan
 from lightning_par3d.registration import register_when_lightning_loads
+from lightning_par3d.tools import moved_entry_points
 from lightning_par3d.tools.dry_run import dry_run
 from lightning_par3d.utils.console import quiet_known_upstream_warnings
 from lightning_par3d.zero.formula import ModelStateBytes
@@ -80,6 +81,7 @@ class _AccelerateFrontEnd(types.ModuleType):
 
 
 sys.modules.setdefault(f"{__name__}.accelerate", _AccelerateFrontEnd(f"{__name__}.accelerate"))
+moved_entry_points.install(__name__)  # `python -m lightning_par3d.plan`, `.smoke`, `.transformers` for one release
 
 
 def __getattr__(name: str) -> Any:

@@ -171,6 +171,49 @@ def test_no_module_of_the_package_is_named_like_a_package_users_import():
     assert Par3DAccelerator.__module__ == "lightning_par3d.integrations.accelerator"
 
 
+@pytest.mark.parametrize(
+    "old, command", [("plan", "par3d plan"), ("smoke", "par3d smoke"), ("transformers", "par3d export-hf")]
+)
+def test_the_old_module_entry_points_run_the_new_command_and_name_it(old, command, capsys, monkeypatch):
+    """``python -m lightning_par3d.<old>`` (what runpy does for ``-m``) runs the new command with the same arguments,
+    after a line naming it; the package's ``plan`` function stays the function."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [old, "--help"])
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_module(f"lightning_par3d.{old}", run_name="__main__")
+    assert ended.value.code == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"usage: {command} ")
+    assert f"`python -m lightning_par3d.{old}` is now `{command}`" in err
+    assert lightning_par3d.plan.__module__ == "lightning_par3d.planning.planner"
+    with pytest.raises(ImportError, match="is the planning function"):
+        importlib.import_module("lightning_par3d.plan")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_par3d.no_such_command")
+
+
+def test_an_old_entry_point_runs_from_the_real_interpreter(new_interpreter, tmp_path):
+    """A user's CI line, unchanged: ``python -m lightning_par3d.transformers CKPT OUT --config DIR`` reaches
+    ``par3d export-hf``, which refuses a config directory without a ``config.json`` by name (exit 2)."""
+    done = new_interpreter(
+        [
+            sys.executable,
+            "-m",
+            "lightning_par3d.transformers",
+            str(tmp_path / "missing"),
+            str(tmp_path / "out"),
+            "--config",
+            str(tmp_path),
+        ],
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "is now `par3d export-hf`" in done.stderr
+    assert f"{tmp_path}. Should have a `model_type` key in its config.json" in done.stderr
+
+
 def test_the_private_framework_apis_par3d_uses_are_where_they_were_read():
     """Every private Lightning name of ``integrations/framework_private.py`` resolves, and Accelerate's ``Accelerator``
     still has the private attributes and methods par3d uses: an upgrade that moves one fails here, by name."""
