@@ -327,3 +327,74 @@ def test_a_batch_smaller_than_the_microbatches_is_refused_by_name_before_anythin
         ValueError, match=r"batch of 6 sample\(s\) does not split into microbatches=4 .* microbatches=3"
     ):
         estimate_memory(GPTModule(**MODEL), Par3DConfig(pp=2, microbatches=4), 2, (6, MODEL["block_size"]))
+
+
+@pytest.mark.parametrize(
+    "module, config, precision",
+    [
+        ("llama", dict(pp=2, tp=2, dp_shard=2, microbatches=4), "32-true"),
+        ("llama", dict(pp=2, dp_shard=4, activation_checkpointing="full", microbatches=4), "bf16-mixed"),
+        ("llama", dict(pp=2, tp=2, dp_shard=2, activation_checkpointing="op", microbatches=4), "32-true"),
+        ("gpt", dict(pp=2, dp_shard=2, tp=2, zero_stage=1, microbatches=4), "32-true"),
+        (
+            "gpt",
+            dict(pp=2, dp_shard=4, pipeline_schedule="interleaved_1f1b", virtual_stages=2, microbatches=4),
+            "bf16-mixed",
+        ),
+    ],
+)
+def test_stages_measured_by_their_depth_are_the_whole_stages_measure(module, config, precision, monkeypatch):
+    """A stage of alike blocks is measured as a stage of one and of two blocks and extended to its depth: the
+    estimate is the one that measures every stage whole (forced by calling every model's blocks unalike), field by
+    field, first, middle and last stages alike. 10 blocks: stages of 5, or of 3 and 2 under the interleaved
+    schedule."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from examples.hf_llama import CausalLMModule
+    from lightning_par3d.memory import stage_measure
+
+    build = {
+        "llama": lambda: CausalLMModule(num_hidden_layers=10),
+        "gpt": lambda: GPTModule(**{**MODEL, "n_layer": 10}),
+    }
+    extended: list[int] = []
+    deeper = stage_measure.StageMeasure.deeper
+    monkeypatch.setattr(
+        stage_measure.StageMeasure,
+        "deeper",
+        lambda self, more, blocks: extended.append(blocks) or deeper(self, more, blocks),
+    )
+    built_kinds: set[type] = set()
+    real_build = stage_measure._build
+
+    def build_seen(*args: Any) -> Any:
+        root = real_build(*args)
+        built_kinds.update(type(p) for p in root.parameters())
+        return root
+
+    monkeypatch.setattr(stage_measure, "_build", build_seen)
+    by_depth = estimate_memory(build[module](), Par3DConfig(**config), 8, (8, 32), precision=precision)
+    assert extended and min(extended) >= 3
+    assert built_kinds == {FakeTensor}  # never a real model: a real-sized one would not fit
+    extended.clear()
+    monkeypatch.setattr(stage_measure._OneBuild, "alike", lambda self, trunk, blocks: False)
+    whole = estimate_memory(build[module](), Par3DConfig(**config), 8, (8, 32), precision=precision)
+    assert extended == []
+    assert by_depth == whole
+
+
+def test_blocks_that_differ_are_measured_whole():
+    """A Qwen2 whose last layers use a sliding window has blocks of two kinds: their signatures differ (its layer
+    index aside), so its stages are measured whole; a Llama's 4 layers are alike."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_par3d.memory.stage_measure import _signature
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=100)
+    with torch.device("meta"):
+        qwen = Qwen2ForCausalLM(
+            Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+        )
+        llama = LlamaForCausalLM(LlamaConfig(**small, num_key_value_heads=2))
+    assert len({_signature(layer) for layer in qwen.model.layers}) == 2
+    assert len({_signature(layer) for layer in llama.model.layers}) == 1

@@ -19,33 +19,30 @@ it. From that it takes
 Under activation checkpointing the activations are what is held between forward and backward (the checkpointed
 blocks' inputs, or what ``op`` mode saves); the block that backward recomputes at a time is its own column,
 ``recompute``, counted in the total.
+
+Building and measuring the stages is :mod:`lightning_par3d.memory.stage_measure`'s: the model is built once per
+estimate, and a pipeline stage of alike blocks is measured at one and two blocks and extended to its depth, so an
+estimate of a 32-block model costs what one of a 4-block model does.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par3d import compose as build
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import fake_world, garbage_kept
-from lightning_par3d.distributed.groups import fake_group
+from lightning_par3d.distributed.fakeworld import garbage_kept
 from lightning_par3d.distributed.mesh import Par3DMesh
-from lightning_par3d.memory.meters import ModelStateBytes, SavedTensorMeter
-from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
-from lightning_par3d.parallel.precision import autocast, check_precision
-from lightning_par3d.parallel.tensor_parallel import local_tensor
+from lightning_par3d.memory.meters import ModelStateBytes
+from lightning_par3d.memory.stage_measure import measure_stages
+from lightning_par3d.parallel.precision import check_precision
 from lightning_par3d.pipeline.actions import Action, pipeline_actions, schedule_peak
-from lightning_par3d.pipeline.trunk import declared_pipeline
-from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode, moves_in_place_skipped
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
 
 _DTYPE_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 4, 4), "16-mixed": (4, 4, 4), "bf16-true": (2, 2, 2)}
@@ -190,7 +187,7 @@ def estimate_memory(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
         with garbage_kept():
-            stages = _measure_stages(module, config, layout, batch, micro, precision, loss_fn)
+            stages = measure_stages(module, config, layout, batch, micro, precision, loss_fn)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []
     for pp_rank in range(layout.pp):
@@ -219,196 +216,6 @@ def estimate_memory(
     shape = tuple(_shape_of(_first(batch)))
     microbatch_shape = (shape[0] // micro, *shape[1:]) if shape else ()
     return MemoryEstimate(layout, precision, config.activation_checkpointing, microbatch_shape, rows)
-
-
-# ---------------------------------------------------------------- one stage at a time, in a fake process group
-
-
-@dataclass
-class _StageMeasure:
-    param_shapes: list[tuple[int, ...]]
-    activation_bytes: int
-    """Saved for backward by one microbatch's forward (under checkpointing: what is held until backward)."""
-    recompute_bytes: int
-    """Under full or selective checkpointing: the largest checkpointed block's own activations, held again while
-    backward recomputes it."""
-    output: Any = None
-    frozen: list[bool] = field(default_factory=list)
-    """Per parameter in ``param_shapes``: frozen (``requires_grad=False``)."""
-
-
-def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
-    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
-    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype. A ``.to()`` in the build
-    that changes nothing (``peft`` moves each adapter it makes to its base layer's device) leaves the module as it
-    is (:func:`~lightning_par3d.utils.torch_private.moves_in_place_skipped`)."""
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cpu"), moves_in_place_skipped():
-            if isinstance(module, nn.Module):
-                with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
-                    built = copy.deepcopy(module)
-                configure = getattr(built, "configure_model", None)
-                if callable(configure):
-                    configure()
-                return built
-            return module()
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def _measure_stages(
-    module: nn.Module | Callable[[], nn.Module],
-    config: Par3DConfig,
-    layout: Layout,
-    batch: Any,
-    micro: int,
-    precision: str,
-    loss_fn: Callable[..., Tensor] | None,
-) -> list[_StageMeasure]:
-    """Each pipeline stage (or the whole model) built, parallelized and run for one microbatch on fake tensors.
-    One fake process group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp
-    coordinate only, and dp_shard rank 0 holds the largest shards."""
-    fake = fake_tensor_mode()
-    with fake:
-        inputs = _fake_batch(batch)
-        microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
-        # The input as a copy, not a view: a view is metered at the whole batch's storage, and the first stage's
-        # figure is multiplied by the microbatches in flight (the run's are views of one batch, metered once). The
-        # targets stay views: the last stage, one microbatch in flight, holds the whole batch's storage as the run's.
-        if microbatch and isinstance(microbatch[0], Tensor):
-            microbatch[0] = microbatch[0].clone()
-    carried: Any = microbatch[0]
-    results: list[_StageMeasure] = []
-    with fake_world(layout.world_size):
-        # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
-        mesh = Par3DMesh.build(layout, "cpu", fake_group)
-        for stage in range(layout.n_stages):
-            part = _Part(module, config, mesh, stage, precision, fake)
-            result = part.measure(carried, microbatch, loss_fn)
-            carried = result.output
-            results.append(result)
-    return results
-
-
-@dataclass
-class _Part:
-    """Pipeline stage ``stage`` of the model (the whole model without pipelining), as a run builds it."""
-
-    module: nn.Module | Callable[[], nn.Module]
-    config: Par3DConfig
-    mesh: Par3DMesh
-    stage: int
-    precision: str
-    fake: Any
-
-    def measure(self, carried: Any, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> _StageMeasure:
-        """The part's model-state shapes, and the bytes one microbatch's forward saves for backward. Under full or
-        selective checkpointing, a first build without checkpointing measures each block's own activations (what
-        backward recomputes at a time)."""
-        recompute = 0
-        if self.config.activation_checkpointing in ("full", "selective"):
-            plain = dataclasses.replace(self.config, activation_checkpointing="none")
-            sizes: list[int] = []
-            meter = SavedTensorMeter()
-            with self.fake:
-                part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn)
-                hooks = _block_meters(blocks, meter, sizes)
-                with autocast(self.precision), meter:
-                    run()
-                for hook in hooks:
-                    hook.remove()
-            recompute = max(sizes, default=0)
-        meter = SavedTensorMeter()
-        with self.fake:
-            part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn)
-            shapes = _tp_local_shapes(part)
-            frozen = [not p.requires_grad for p in part.parameters()]
-            with autocast(self.precision), meter:
-                output = run()
-        detached = output.detach() if isinstance(output, Tensor) else None
-        return _StageMeasure(shapes, meter.peak, recompute, detached, frozen)
-
-    def _parallelized(
-        self, config: Par3DConfig, carried: Any, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None
-    ) -> tuple[nn.Module, list[nn.Module], Callable[[], Any]]:
-        """A fresh build of the part, parallelized by the run's own functions; its checkpointing blocks (found
-        before FSDP2 renames their classes); and its forward on one microbatch (with the loss, on the last
-        stage).
-
-        :func:`~lightning_par3d.compose.parallelize_part` runs with the fake mode paused: FSDP2 builds
-        a ``DeviceMesh`` for a parameter that is already a tp DTensor, and a mesh computes its coordinates with
-        ``nonzero()``, which the fake mode refuses (its output shape depends on data). The model's tensors stay
-        fake all the same: every op on them dispatches to their own fake mode."""
-        layout = self.mesh.layout
-        root = _build(self.module, self.precision)
-        fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
-        if layout.pp == 1:
-            blocks = find_ac_blocks(root, config.ac_blocks)
-            with fake_mode_paused():
-                build.parallelize_part(
-                    root, self.mesh, config, self.precision, fqn_styles, build.fsdp_blocks(root, config, layout)
-                )
-            return root, blocks, _whole_step(root, microbatch, loss_fn)
-        spec = declared_pipeline(root)
-        plan = build.plan_pipeline(root, spec, config, layout)
-        shards = build.sequence_shards(config, layout)
-        part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages, shards)
-        own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as the run checkpoints them
-        blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
-        with fake_mode_paused():
-            build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
-        inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)
-        last = self.stage == layout.n_stages - 1
-
-        def run() -> Any:
-            output = part(inputs)
-            if last:
-                getattr(root, spec.loss)(output, *microbatch[1:])
-            return output
-
-        return part, blocks, run
-
-
-def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:
-    """One forward of the whole model with its loss: the LightningModule's ``training_step``, or ``loss_fn``."""
-    if loss_fn is not None:
-        return lambda: loss_fn(module(microbatch[0]), *microbatch[1:])
-    step = getattr(module, "training_step", None)
-    if not callable(step):
-        raise TypeError("estimate_memory needs loss_fn(outputs, *targets) for a module without training_step.")
-    return lambda: step(tuple(microbatch), 0)
-
-
-def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[int]) -> list[Any]:
-    """Hooks that record, per block, the bytes its forward saves for backward."""
-    hooks = []
-    for block in blocks:
-        start: list[int] = []
-        hooks.append(block.register_forward_pre_hook(lambda _m, _a, start=start: start.append(meter.live)))
-        hooks.append(block.register_forward_hook(lambda _m, _a, _o, start=start: sizes.append(meter.live - start[-1])))
-    return hooks
-
-
-def _tp_local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
-    """Each parameter's shape on tp rank 0 before data parallelism cuts it: what the ZeRO formulas take. A
-    parameter FSDP2 has sharded is redistributed to its tensor-parallel placements only (a fake all-gather over its
-    data-parallel mesh dimensions); the ZeRO formulas then cut it as FSDP2 does."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    shapes = []
-    with torch.no_grad():
-        for param in module.parameters():
-            local: Tensor = param
-            if isinstance(param, DTensor):
-                names = param.device_mesh.mesh_dim_names or ()
-                kept = [p if name == "tp" else Replicate() for name, p in zip(names, param.placements, strict=True)]
-                if tuple(kept) != tuple(param.placements):
-                    local = param.redistribute(param.device_mesh, kept)
-            shapes.append(tuple(local_tensor(local).shape))
-    return shapes
 
 
 # ---------------------------------------------------------------- schedule
@@ -451,13 +258,3 @@ def check_batch_splits(rows: int | None, microbatches: int) -> None:
         f"microbatches divides (a multiple of {microbatches}: batch_size, or global_batch / dp), or use "
         f"microbatches={fits} or fewer."
     )
-
-
-def _fake_batch(batch: Any) -> list[Any]:
-    """``batch`` as a list of (fake) tensors: tensors are copied as empty ones of the same shape and dtype; a shape
-    ``(B, T)`` becomes integer tokens used as both inputs and targets."""
-    if isinstance(batch, tuple) and all(isinstance(x, int) for x in batch):
-        tokens = torch.zeros(batch, dtype=torch.long)
-        return [tokens, tokens]
-    items = list(batch) if isinstance(batch, (tuple, list)) else [batch]
-    return [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x for x in items]

@@ -196,8 +196,16 @@ class StagePlan:
 
 def build_stage_module(trunk: nn.Module, parts: TrunkParts, owned: set[str], first: bool, last: bool) -> nn.Module:
     """A deep copy of the (meta) ``trunk`` keeping only the blocks in ``owned``, the head modules if ``first``
-    and the tail modules if ``last``; the shared modules are the trunk's own objects. Nothing is renamed."""
-    stage = keep_only(copy.deepcopy(trunk), parts, owned, first, last)
+    and the tail modules if ``last``; the shared modules are the trunk's own objects. Nothing is renamed.
+
+    Only what the stage keeps is copied: the modules it leaves out enter the copy's memo as placeholders (which
+    :func:`keep_only` then deletes or keeps), so a stage costs its share of the model, not the whole model: the
+    planner builds hundreds of stages of a real-sized model."""
+    left_out = [block for block in parts.blocks if block not in owned]
+    left_out += [*(() if first else parts.head), *(() if last else parts.tail)]
+    memo: dict[int, Any] = {id(trunk.get_submodule(name)): NotOnThisStage() for name in left_out}
+    memo.update({id(trunk.get_submodule(name)): trunk.get_submodule(name) for name in parts.shared})
+    stage = keep_only(copy.deepcopy(trunk, memo), parts, owned, first, last)
     for name in parts.shared:
         _put(stage, name, trunk.get_submodule(name))
     return stage

@@ -1,0 +1,346 @@
+"""One stage at a time, in a fake process group: what :func:`~lightning_par3d.estimate_memory` measures of each
+pipeline stage (or of the whole model without pipelining): its parameters' local shapes and the bytes one
+microbatch's forward saves for backward.
+
+Each stage is built and parallelized by the run's own functions and run on fake tensors. The model is built once
+per estimate and every stage is copied out of it (:class:`_OneBuild`).
+
+**Stages are measured by their depth, not block by block.** Where a pipelined model's blocks are alike (the same
+class, parameter and buffer shapes, and settings: a Qwen2 layer with a sliding window differs from one without), a
+stage of ``k`` such blocks is measured as a stage of one block and of two blocks of the same role (the first stage,
+a middle one, the last), and the figures extend by ``k - 1`` times what the second block added: a forward saves for
+backward what each block saves, and a block's parameters are its own. The first of each role is measured, the others
+reuse it. So an estimate costs a few blocks' forwards whatever the model's depth, and a plan of a 32-block model
+measures what a plan of a 4-block one does. The extension is exact where the blocks are alike (the tests compare it
+with the measure of the whole stage, field by field); stages whose blocks differ, ``selective`` checkpointing (every
+``ac_every``-th block, by the block's index in the model) and a custom ``ac_blocks`` are measured whole, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par3d import compose as build
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.distributed.fakeworld import fake_world
+from lightning_par3d.distributed.groups import fake_group
+from lightning_par3d.distributed.mesh import Par3DMesh
+from lightning_par3d.memory.meters import SavedTensorMeter
+from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
+from lightning_par3d.parallel.precision import autocast
+from lightning_par3d.parallel.tensor_parallel import local_tensor
+from lightning_par3d.pipeline.trunk import declared_pipeline
+from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode, moves_in_place_skipped
+
+
+@dataclass
+class StageMeasure:
+    param_shapes: list[tuple[int, ...]]
+    activation_bytes: int
+    """Saved for backward by one microbatch's forward (under checkpointing: what is held until backward)."""
+    recompute_bytes: int
+    """Under full or selective checkpointing: the largest checkpointed block's own activations, held again while
+    backward recomputes it."""
+    output: Any = None
+    frozen: list[bool] = field(default_factory=list)
+    """Per parameter in ``param_shapes``: frozen (``requires_grad=False``)."""
+
+    def deeper(self, one_more: StageMeasure, blocks: int) -> StageMeasure:
+        """This stage's measure with one block (``self``) and with two (``one_more``), extended to ``blocks``
+        alike blocks. The shapes come as a multiset (the ZeRO formulas sum over them), not in the module's order."""
+        extra = Counter(zip(one_more.param_shapes, one_more.frozen, strict=True))
+        extra.subtract(Counter(zip(self.param_shapes, self.frozen, strict=True)))
+        per_block = list(extra.elements())
+        pairs = [*zip(self.param_shapes, self.frozen, strict=True), *(per_block * (blocks - 1))]
+        return StageMeasure(
+            param_shapes=[shape for shape, _ in pairs],
+            activation_bytes=self.activation_bytes + (blocks - 1) * (one_more.activation_bytes - self.activation_bytes),
+            recompute_bytes=max(self.recompute_bytes, one_more.recompute_bytes),
+            output=one_more.output,
+            frozen=[frozen for _, frozen in pairs],
+        )
+
+
+def measure_stages(
+    module: nn.Module | Callable[[], nn.Module],
+    config: Par3DConfig,
+    layout: Layout,
+    batch: Any,
+    micro: int,
+    precision: str,
+    loss_fn: Callable[..., Tensor] | None,
+) -> list[StageMeasure]:
+    """Each pipeline stage (or the whole model) built, parallelized and run for one microbatch on fake tensors.
+    One fake process group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp
+    coordinate only, and dp_shard rank 0 holds the largest shards."""
+    fake = fake_tensor_mode()
+    with fake:
+        inputs = _fake_batch(batch)
+        microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
+        # The input as a copy, not a view: a view is metered at the whole batch's storage, and the first stage's
+        # figure is multiplied by the microbatches in flight (the run's are views of one batch, metered once). The
+        # targets stay views: the last stage, one microbatch in flight, holds the whole batch's storage as the run's.
+        if microbatch and isinstance(microbatch[0], Tensor):
+            microbatch[0] = microbatch[0].clone()
+    carried: Any = microbatch[0]
+    results: list[StageMeasure] = []
+    with fake_world(layout.world_size):
+        # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
+        mesh = Par3DMesh.build(layout, "cpu", fake_group)
+        built = _OneBuild(module, precision)
+        by_depth: dict[tuple[bool, bool, int], StageMeasure] = {}
+        for stage in range(layout.n_stages):
+            part = _Part(built, config, mesh, stage, precision, fake)
+            result = part.measure_by_depth(carried, microbatch, loss_fn, by_depth)
+            carried = result.output
+            results.append(result)
+    return results
+
+
+def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
+    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
+    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype. A ``.to()`` in the build
+    that changes nothing (``peft`` moves each adapter it makes to its base layer's device) leaves the module as it
+    is (:func:`~lightning_par3d.utils.torch_private.moves_in_place_skipped`)."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cpu"), moves_in_place_skipped():
+            if isinstance(module, nn.Module):
+                with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
+                    built = copy.deepcopy(module)
+                configure = getattr(built, "configure_model", None)
+                if callable(configure):
+                    configure()
+                return built
+            return module()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class _OneBuild:
+    """The model built once for every pipeline stage of an estimate: :func:`~lightning_par3d.compose.build_stage`
+    copies each stage out of it and parallelizes the copy, leaving it as it was (as a run's rank builds its stages
+    from one model). Without pipelining the run's functions parallelize the model itself, so each use builds anew.
+    ``alike`` says whether the pipelined model's blocks are alike (see the module docstring), once."""
+
+    module: nn.Module | Callable[[], nn.Module]
+    precision: str
+    _root: nn.Module | None = None
+    _alike: bool | None = None
+
+    def root(self, pipelined: bool) -> nn.Module:
+        if not pipelined:
+            return _build(self.module, self.precision)
+        if self._root is None:
+            self._root = _build(self.module, self.precision)
+        return self._root
+
+    def alike(self, trunk: nn.Module, blocks: list[str]) -> bool:
+        if self._alike is None:
+            signatures = {_signature(trunk.get_submodule(name)) for name in blocks}
+            self._alike = len(signatures) == 1
+        return self._alike
+
+
+_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
+"""A block's own index (transformers' attention keeps ``layer_idx`` for its KV cache): not part of what it saves."""
+
+
+def _signature(block: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks save and hold the same: classes, tensors' shapes, dtypes and trainability, and every
+    plain setting of every submodule but its index."""
+    modules = tuple((name, type(sub).__qualname__) for name, sub in block.named_modules())
+    tensors = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
+    buffers = tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers())
+    settings = tuple(
+        (name, key, value)
+        for name, sub in block.named_modules()
+        for key, value in sorted(vars(sub).items())
+        if not key.startswith("_")
+        and key != "training"
+        and key not in _INDEX_ATTRIBUTES
+        and isinstance(value, (bool, int, float, str, type(None)))
+    )
+    return modules, tensors, buffers, settings
+
+
+@dataclass
+class _Part:
+    """Pipeline stage ``stage`` of the model (the whole model without pipelining), as a run builds it."""
+
+    built: _OneBuild
+    config: Par3DConfig
+    mesh: Par3DMesh
+    stage: int
+    precision: str
+    fake: Any
+
+    def measure_by_depth(
+        self,
+        carried: Any,
+        microbatch: list[Any],
+        loss_fn: Callable[..., Tensor] | None,
+        known: dict[tuple[bool, bool, int], StageMeasure],
+    ) -> StageMeasure:
+        """:meth:`measure`, or, where the stage's blocks are alike, the measure of its first block and first two
+        blocks (``known``: by role and depth, shared by the stages of an estimate) extended to its depth."""
+        layout = self.mesh.layout
+        if layout.pp == 1 or self.config.activation_checkpointing == "selective" or self.config.ac_blocks:
+            return self.measure(carried, microbatch, loss_fn)
+        with self.fake:  # the model is built under the fake mode, never for real
+            root = self.built.root(pipelined=True)
+            spec = declared_pipeline(root)
+            plan = build.plan_pipeline(root, spec, self.config, layout)
+            alike = self.built.alike(getattr(root, spec.trunk), [name for names in plan.blocks for name in names])
+        if not alike:
+            return self.measure(carried, microbatch, loss_fn)
+        own = plan.blocks[self.stage]
+        role = (self.stage == 0, self.stage == layout.n_stages - 1)
+        for depth in (1, 2) if len(own) > 2 else (len(own),):
+            if (*role, depth) not in known:
+                known[(*role, depth)] = self.measure(carried, microbatch, loss_fn, own[:depth])
+        if len(own) <= 2:
+            return known[(*role, len(own))]
+        return known[(*role, 1)].deeper(known[(*role, 2)], len(own))
+
+    def measure(
+        self,
+        carried: Any,
+        microbatch: list[Any],
+        loss_fn: Callable[..., Tensor] | None,
+        own: list[str] | None = None,
+    ) -> StageMeasure:
+        """The part's model-state shapes, and the bytes one microbatch's forward saves for backward (``own``: the
+        stage cut to these of its blocks). Under full or selective checkpointing, a first build without
+        checkpointing measures each block's own activations (what backward recomputes at a time)."""
+        recompute = 0
+        if self.config.activation_checkpointing in ("full", "selective"):
+            plain = dataclasses.replace(self.config, activation_checkpointing="none")
+            sizes: list[int] = []
+            meter = SavedTensorMeter()
+            with self.fake:
+                part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn, own)
+                hooks = _block_meters(blocks, meter, sizes)
+                with autocast(self.precision), meter:
+                    run()
+                for hook in hooks:
+                    hook.remove()
+            recompute = max(sizes, default=0)
+        meter = SavedTensorMeter()
+        with self.fake:
+            part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn, own)
+            shapes = _tp_local_shapes(part)
+            frozen = [not p.requires_grad for p in part.parameters()]
+            with autocast(self.precision), meter:
+                output = run()
+        detached = output.detach() if isinstance(output, Tensor) else None
+        return StageMeasure(shapes, meter.peak, recompute, detached, frozen)
+
+    def _parallelized(
+        self,
+        config: Par3DConfig,
+        carried: Any,
+        microbatch: list[Any],
+        loss_fn: Callable[..., Tensor] | None,
+        own_blocks: list[str] | None = None,
+    ) -> tuple[nn.Module, list[nn.Module], Callable[[], Any]]:
+        """A fresh build of the part, parallelized by the run's own functions; its checkpointing blocks (found
+        before FSDP2 renames their classes); and its forward on one microbatch (with the loss, on the last
+        stage).
+
+        :func:`~lightning_par3d.compose.parallelize_part` runs with the fake mode paused: FSDP2 builds
+        a ``DeviceMesh`` for a parameter that is already a tp DTensor, and a mesh computes its coordinates with
+        ``nonzero()``, which the fake mode refuses (its output shape depends on data). The model's tensors stay
+        fake all the same: every op on them dispatches to their own fake mode."""
+        layout = self.mesh.layout
+        root = self.built.root(pipelined=layout.pp > 1)
+        fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
+        if layout.pp == 1:
+            blocks = find_ac_blocks(root, config.ac_blocks)
+            with fake_mode_paused():
+                build.parallelize_part(
+                    root, self.mesh, config, self.precision, fqn_styles, build.fsdp_blocks(root, config, layout)
+                )
+            return root, blocks, _whole_step(root, microbatch, loss_fn)
+        spec = declared_pipeline(root)
+        plan = build.plan_pipeline(root, spec, config, layout)
+        if own_blocks is not None:  # the stage cut to its first blocks (measured by depth)
+            plan = dataclasses.replace(
+                plan, blocks=[*plan.blocks[: self.stage], own_blocks, *plan.blocks[self.stage + 1 :]]
+            )
+        shards = build.sequence_shards(config, layout)
+        part = build.build_stage(getattr(root, spec.trunk), plan, self.stage, layout.n_stages, shards)
+        own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as the run checkpoints them
+        blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
+        with fake_mode_paused():
+            build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
+        inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)
+        last = self.stage == layout.n_stages - 1
+
+        def run() -> Any:
+            output = part(inputs)
+            if last:
+                getattr(root, spec.loss)(output, *microbatch[1:])
+            return output
+
+        return part, blocks, run
+
+
+def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:
+    """One forward of the whole model with its loss: the LightningModule's ``training_step``, or ``loss_fn``."""
+    if loss_fn is not None:
+        return lambda: loss_fn(module(microbatch[0]), *microbatch[1:])
+    step = getattr(module, "training_step", None)
+    if not callable(step):
+        raise TypeError("estimate_memory needs loss_fn(outputs, *targets) for a module without training_step.")
+    return lambda: step(tuple(microbatch), 0)
+
+
+def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[int]) -> list[Any]:
+    """Hooks that record, per block, the bytes its forward saves for backward."""
+    hooks = []
+    for block in blocks:
+        start: list[int] = []
+        hooks.append(block.register_forward_pre_hook(lambda _m, _a, start=start: start.append(meter.live)))
+        hooks.append(block.register_forward_hook(lambda _m, _a, _o, start=start: sizes.append(meter.live - start[-1])))
+    return hooks
+
+
+def _tp_local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
+    """Each parameter's shape on tp rank 0 before data parallelism cuts it: what the ZeRO formulas take. A
+    parameter FSDP2 has sharded is redistributed to its tensor-parallel placements only (a fake all-gather over its
+    data-parallel mesh dimensions); the ZeRO formulas then cut it as FSDP2 does."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shapes = []
+    with torch.no_grad():
+        for param in module.parameters():
+            local: Tensor = param
+            if isinstance(param, DTensor):
+                names = param.device_mesh.mesh_dim_names or ()
+                kept = [p if name == "tp" else Replicate() for name, p in zip(names, param.placements, strict=True)]
+                if tuple(kept) != tuple(param.placements):
+                    local = param.redistribute(param.device_mesh, kept)
+            shapes.append(tuple(local_tensor(local).shape))
+    return shapes
+
+
+def _fake_batch(batch: Any) -> list[Any]:
+    """``batch`` as a list of (fake) tensors: tensors are copied as empty ones of the same shape and dtype; a shape
+    ``(B, T)`` becomes integer tokens used as both inputs and targets."""
+    if isinstance(batch, tuple) and all(isinstance(x, int) for x in batch):
+        tokens = torch.zeros(batch, dtype=torch.long)
+        return [tokens, tokens]
+    items = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    return [torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, Tensor) else x for x in items]
