@@ -24,6 +24,7 @@ from lightning_par3d.planning.cost import (
     reduce_scatter,
     send,
 )
+from lightning_par3d.planning.machine import format_bytes
 from lightning_par3d.planning.probe import StageParams, StageWork
 from lightning_par3d.planning.table import to_measure
 from tests.constants import MODEL
@@ -165,6 +166,11 @@ def test_layouts_that_do_not_fit_say_what_they_need():
     for row in too_big:
         assert row.memory.peak > 700 * 2**10 and "more than the 700.00 KiB of a device" in row.reason
     assert all(row.memory.peak <= 700 * 2**10 for row in table.fitting)
+    # By reason, they share one line (a real-sized model rejects thousands, each with its own figures), closest first.
+    closest = min(too_big, key=lambda row: row.memory.peak)
+    lines = [line for line in table.to_markdown(group_rejected=True).splitlines() if "of a device" in line]
+    assert len(lines) == 1 and f"| {len(too_big)}: {closest.describe()}" in lines[0]
+    assert f"of a device ({format_bytes(closest.memory.peak)} to " in lines[0]
 
 
 def test_checkpointing_is_tried_where_a_layout_does_not_fit_without_it():

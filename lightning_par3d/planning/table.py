@@ -237,9 +237,17 @@ def _each(table: PlanTable) -> list[str]:
 
 
 def _grouped(table: PlanTable, shown: int = 3) -> list[str]:
+    """A line per reason. The layouts that do not fit in memory (each with its own figures in its reason) share one
+    line, closest first, with the range of what they need: a real-sized model's plan rejects thousands of them."""
+    needed = {id(row): row.peak_memory for row in table.rejected if row.peak_memory is not None}
+    too_big = sorted((row for row in table.rejected if id(row) in needed), key=lambda row: needed[id(row)])
     groups: dict[str, list[PlanRow]] = {}
+    if too_big:
+        least, most = format_bytes(needed[id(too_big[0])]), format_bytes(needed[id(too_big[-1])])
+        groups[f"needs more than the {format_bytes(table.device_memory)} of a device ({least} to {most})"] = too_big
     for row in table.rejected:
-        groups.setdefault(row.reason or "", []).append(row)
+        if id(row) not in needed:
+            groups.setdefault(row.reason or "", []).append(row)
     lines = ["| why | layouts |", "|---|---|"]
     for reason, rows in groups.items():
         names = "; ".join(row.describe() for row in rows[:shown])
