@@ -335,6 +335,8 @@ def test_a_batch_smaller_than_the_microbatches_is_refused_by_name_before_anythin
         ("llama", dict(pp=2, tp=2, dp_shard=2, microbatches=4), "32-true"),
         ("llama", dict(pp=2, dp_shard=4, activation_checkpointing="full", microbatches=4), "bf16-mixed"),
         ("llama", dict(pp=2, tp=2, dp_shard=2, activation_checkpointing="op", microbatches=4), "32-true"),
+        ("llama", dict(pp=2, tp=2, dp_shard=2, sequence_parallel=True, microbatches=4), "32-true"),
+        ("llama-lora", dict(pp=2, tp=2, dp_shard=2, microbatches=4), "bf16-mixed"),
         ("gpt", dict(pp=2, dp_shard=2, tp=2, zero_stage=1, microbatches=4), "32-true"),
         (
             "gpt",
@@ -353,8 +355,10 @@ def test_stages_measured_by_their_depth_are_the_whole_stages_measure(module, con
     from examples.hf_llama import CausalLMModule
     from lightning_par3d.memory import stage_measure
 
+    lora = dict(r=4, target_modules=["q_proj", "v_proj"])  # a frozen base, trainable adapters in every block
     build = {
         "llama": lambda: CausalLMModule(num_hidden_layers=10),
+        "llama-lora": lambda: CausalLMModule(num_hidden_layers=10, lora=lora),
         "gpt": lambda: GPTModule(**{**MODEL, "n_layer": 10}),
     }
     extended: list[int] = []
