@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", default=None, help="only the layouts whose name contains this")
+    parser.add_argument("--modes", default="eager,compiled", help="eager, compiled or both (the default)")
     parser.add_argument("--launched-run", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -120,11 +121,12 @@ def main() -> None:
         launched_run(args.launched_run, args.compiled, args.steps, args.out)
         return
     layouts = [name for name in LAYOUTS if args.only is None or args.only in name]
+    modes = [mode == "compiled" for mode in ("eager", "compiled") if mode in args.modes.split(",")]
     kept: dict[tuple[str, bool], list[float]] = {(n, c): [] for n in layouts for c in (False, True)}
     first: dict[tuple[str, bool], list[float]] = {(n, c): [] for n in layouts for c in (False, True)}
     for r in range(args.rounds):
         for name in layouts:
-            for compiled in (False, True) if r % 2 == 0 else (True, False):
+            for compiled in modes if r % 2 == 0 else modes[::-1]:
                 times = launch_once(name, compiled, args.steps)
                 kept[(name, compiled)] += times[args.warmup :]
                 first[(name, compiled)].append(times[0])
@@ -138,9 +140,16 @@ def main() -> None:
     print("| " + " | ".join([*columns, "first step compiled (s)"]) + " |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in layouts:
-        eager, comp = (statistics.median(kept[(name, c)]) * 1e3 for c in (False, True))
-        f_eager, f_comp = (statistics.median(first[(name, c)]) for c in (False, True))
-        print(f"| {name} | {eager:.1f} | {comp:.1f} | {comp / eager:.3f} | {f_eager:.2f} | {f_comp:.2f} |")
+        eager, comp = (statistics.median(kept[(name, c)]) * 1e3 if kept[(name, c)] else None for c in (False, True))
+        f_eager, f_comp = (statistics.median(first[(name, c)]) if first[(name, c)] else None for c in (False, True))
+        ratio = comp / eager if comp is not None and eager is not None else None
+        cells = [_cell(eager, 1), _cell(comp, 1), _cell(ratio, 3), _cell(f_eager, 2), _cell(f_comp, 2)]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _cell(value: float | None, digits: int) -> str:
+    """A table cell: the figure, or a dash for a mode not run (``--modes``)."""
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
 if __name__ == "__main__":

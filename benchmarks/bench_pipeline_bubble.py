@@ -133,6 +133,10 @@ class _Saved:
         self.tensor = tensor
 
 
+WARMUP = 2
+"""Steps per run not measured (the first allocates, and infers the stages' shapes)."""
+
+
 def bubble_run(schedule: str, microbatches: int, virtual: int, steps: int) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -140,7 +144,7 @@ def bubble_run(schedule: str, microbatches: int, virtual: int, steps: int) -> di
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(0, verbose=False)
-    probe = BubbleProbe(warmup=2)
+    probe = BubbleProbe(warmup=WARMUP)
     strategy = Par3DStrategy(pp=PP, pipeline_schedule=schedule, microbatches=microbatches, virtual_stages=virtual)
     trainer = quiet_trainer(strategy, PP, steps, probe, accelerator="cpu")
     data = ShakespeareDataModule(block_size=MODEL["block_size"], batch_size=BATCH, max_bytes=100_000)
@@ -162,9 +166,11 @@ def main() -> None:
     from tests.harness import DistPool
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help=f"steps per run, the first {WARMUP} not measured")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: the first {WARMUP} steps are not measured; give at least {WARMUP + 1}.")
     pool = DistPool(PP)
     rows = []
     try:

@@ -114,11 +114,11 @@ def kill_during_save(spec: str, out: Path) -> None:
 
 def raise_while_measuring(out: Path, rank: int) -> None:
     """On rank ``rank``, ``layout="auto"``'s measuring raises as it starts its second candidate."""
-    from lightning_par3d.engine import measure
+    from lightning_par3d.engine import trial
 
     if int(os.environ.get("LOCAL_RANK", "0")) != rank:
         return
-    original, calls = measure.measure_step, [0]
+    original, calls = trial.measure_step, [0]
 
     def second_fails(*args: Any, **kwargs: Any) -> float:
         calls[0] += 1
@@ -127,7 +127,7 @@ def raise_while_measuring(out: Path, rank: int) -> None:
             raise RuntimeError(f"injected failure on rank {rank} while measuring")
         return original(*args, **kwargs)
 
-    measure.measure_step = second_fails  # type: ignore[assignment]
+    trial.measure_step = second_fails  # type: ignore[assignment]
 
 
 def main() -> None:

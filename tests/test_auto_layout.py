@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -125,8 +126,9 @@ def _measure_the_learned_one() -> dict:
 
     from examples.gpt import GPTModule
     from lightning_par3d.distributed.groups import init_default_group
-    from lightning_par3d.engine.measure import MeasureWith, measure_learned
+    from lightning_par3d.engine.trial import measure_step
     from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
+    from lightning_par3d.planning.measuring import MeasureWith, measure_learned
     from tests.constants import MODEL
 
     device = torch.device("cpu")
@@ -142,7 +144,7 @@ def _measure_the_learned_one() -> dict:
     times = [0.06, 0.3]
     printed = io.StringIO()
     with redirect_stdout(printed):
-        best = measure_learned(candidates, times, 0, reserve, sample, "32-true", device)
+        best = measure_learned(candidates, times, 0, reserve, sample, "32-true", device, measure_step)
     return {"best": best, "names": [c.name for c in candidates], "times": times, "printed": printed.getvalue()}
 
 
@@ -294,7 +296,8 @@ def _measuring_refused_alike(refusing_ranks: list[int]) -> dict:
 
     from examples.gpt import GPTModule
     from lightning_par3d.distributed.groups import init_default_group
-    from lightning_par3d.engine import measure
+    from lightning_par3d.engine.trial import measure_step
+    from lightning_par3d.planning import measuring as measure
     from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
     from tests.constants import MODEL
 
@@ -305,20 +308,15 @@ def _measuring_refused_alike(refusing_ranks: list[int]) -> dict:
                   candidate_from(config, {"dp_shard": 2}, split, 0.1, "B")]  # fmt: skip
     tokens = torch.randint(0, 65, (2, MODEL["block_size"] + 1))
     sample = measure.MeasureWith(meta_copy(GPTModule(**MODEL)), (tokens[:, :-1], tokens[:, 1:]))
-    original = measure.measure_step
 
-    def refuse_b(candidate: object, *args: object) -> float:
+    def refuse_b(candidate: Any, *args: Any) -> float:
         if getattr(candidate, "name", "") == "B" and dist.get_rank() in refusing_ranks:
             raise TypeError("training_step needs a Trainer here")
-        return original(candidate, *args)  # type: ignore[arg-type]
+        return measure_step(candidate, *args)
 
-    measure.measure_step = refuse_b  # type: ignore[assignment]
     printed = io.StringIO()
-    try:
-        with redirect_stdout(printed):
-            best, times = measure.pick_measured(candidates, sample, "32-true", device)
-    finally:
-        measure.measure_step = original
+    with redirect_stdout(printed):
+        best, times = measure.pick_measured(candidates, sample, "32-true", device, refuse_b)
     return {"best": best, "times": times, "printed": printed.getvalue()}
 
 

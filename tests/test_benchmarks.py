@@ -1,60 +1,70 @@
-"""The benchmark scripts still run (a few steps each), so that they cannot rot unnoticed between uses."""
+"""The benchmark scripts still run as their users run them, so that they cannot rot unnoticed between uses: one short
+command each (``python benchmarks/bench_<name>.py`` with one round and a few steps), a background case
+(``tests/background.py``), and what it prints is its table, every figure of it a number.
+
+A figure is not checked against another here: timing on a machine the suite oversubscribes says nothing, and the
+benchmarks' figures are read from their full runs (``docs/benchmarks.md``). What each table's rows are made of is
+checked: the layouts, schedules, stages or modes it compares, each with its figures."""
 
 from __future__ import annotations
 
-import math
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests import background
 
-@pytest.mark.parametrize("name", ["par3d dp2×tp2", "ModelParallel dp2×tp2", "par3d dp_replicate=4", "DDP dp=4"])
-def test_strategy_benchmark_runs(pool4, name):
-    from benchmarks.bench_strategies import timed_run
+ROOT = Path(__file__).resolve().parents[1]
 
-    times = pool4.run(timed_run, name=name, steps=3, warmup=1)[0]
-    assert len(times) == 2 and all(t > 0 for t in times)
+COMMANDS: dict[str, list[str]] = {
+    "strategies": ["--rounds", "0", "--launched-rounds", "1", "--steps", "3", "--warmup", "1", "--only", "dp2×tp2"],
+    "pipeline_bubble": ["--steps", "3", "--microbatches", "4"],
+    "zero": ["--dp", "2", "--rounds", "1", "--steps", "3", "--warmup", "1"],
+    "callbacks": ["--rounds", "1", "--steps", "8", "--log-every", "4"],
+    "async_save": ["--rounds", "1", "--steps", "3", "--every", "1", "--n-embd", "32", "--n-layer", "2"],
+    "compile": ["--rounds", "1", "--steps", "3", "--warmup", "1", "--only", "dp2xtp2", "--modes", "eager"],
+}
+"""Each benchmark's short run: its own options, one round of few steps (and one layout where it compares many)."""
 
+NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?"
 
-def test_bubble_benchmark_runs(pool4):
-    from benchmarks.bench_pipeline_bubble import bubble_run
-
-    got = pool4.run(bubble_run, schedule="gpipe", microbatches=4, virtual=1, steps=3)[0]
-    assert 0.0 < got["idle"] < 1.0 and not math.isnan(got["idle"])
-    assert got["inflight"] == 4  # GPipe keeps every microbatch in flight
-    assert got["peak_mib"] > 0
-
-
-def test_zero_benchmark_runs(pool2):
-    from benchmarks.bench_zero import predicted, zero_run
-
-    got = pool2.run(zero_run, stage=2, devices=2, steps=3, warmup=1)[0]
-    assert len(got["times"]) == 2
-    formula, estimate = predicted(2, 2, got["shapes"])
-    assert got["state"].total == formula == estimate
-
-
-def test_callbacks_benchmark_runs(pool4):
-    from benchmarks.bench_callbacks import throughput_run
-
-    # The estimate and the advice at the end of fit are left out: they run outside the timed window, and
-    # test_callbacks checks them.
-    assert pool4.run(throughput_run, observe=True, steps=10, end_of_fit=False)[0] > 0
+ROWS: dict[str, list[str]] = {
+    "strategies": [rf"\| dp2×tp2 \| {NUMBER} \| [^|]+ \| {NUMBER} \| {NUMBER} \|"],
+    "pipeline_bubble": [rf"\| {schedule} \| 1 \| 4 \| {NUMBER} \|" for schedule in ("gpipe", "1f1b")],
+    "zero": [  # the measured state, the formula's and the estimator's, equal (measured / formula 1.000)
+        rf"\| 2 \| {stage} \| {NUMBER} \| {NUMBER} \| {NUMBER} \| (?P<t>{NUMBER}) \| (?P=t) \| (?P=t) \| 1\.000 \|"
+        for stage in (0, 1, 2, 3)
+    ],
+    "callbacks": [rf"\| no callbacks \| {NUMBER} \| 1\.000 \|", rf"throughput change, medians: {NUMBER} %"],
+    "async_save": [rf"\| {mode} \| {NUMBER} s \| {NUMBER} s \| {NUMBER} s \|" for mode in ("sync", "async")],
+    "compile": [rf"\| dp2xtp2 \| {NUMBER} \| — \| — \| {NUMBER} \| — \|"],
+}
+"""What each table must hold: a row per thing compared, with numbers where its figures go."""
 
 
-def test_async_save_benchmark_runs(pool2, tmp_path):
-    import json
-
-    from benchmarks.bench_async_save import launched_run
-
-    out = tmp_path / "timings.json"
-    pool2.run(launched_run, mode="async", steps=3, every=1, n_embd=32, n_layer=2, out=out)
-    got = json.loads(out.read_text())
-    assert len(got["saves"]) >= 3 and len(got["steps"]) == 3 and got["params"] > 0
+def run(folder: Path, name: str) -> Any:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    command = [sys.executable, f"benchmarks/bench_{name}.py", *COMMANDS[name]]
+    return background.run(command, timeout=900, cwd=ROOT, env={**env, "TMPDIR": str(folder)})
 
 
-def test_compile_benchmark_runs(pool4):
-    """Its eager side (the compiled side is tests/test_compile.py's inductor case)."""
-    from benchmarks.bench_compile import timed_run
+benchmark = background.fixture("benchmark", run, params=list(COMMANDS))
 
-    times = pool4.run(timed_run, layout="dp2xtp2", compiled=False, steps=3)[0]
-    assert len(times) == 3 and all(t > 0 for t in times)
+
+def test_every_benchmark_has_a_short_run():
+    scripts = {path.stem.removeprefix("bench_") for path in (ROOT / "benchmarks").glob("bench_*.py")}
+    longer = {"accelerate", "advice", "gpu", "planner"}  # minutes even when short; run from `make bench`/GPU CI
+    assert scripts - longer == set(COMMANDS), scripts
+
+
+def test_the_benchmark_runs_as_users_run_it_and_prints_its_table(benchmark, request: pytest.FixtureRequest):
+    name = request.node.callspec.params["benchmark"]
+    done = benchmark
+    assert done.returncode == 0, f"{shlex.join(done.args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    missing = [row for row in ROWS[name] if not re.search(row, done.stdout)]
+    assert missing == [], f"{name}: no line matches {missing}\n{done.stdout[-3000:]}"

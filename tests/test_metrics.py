@@ -64,15 +64,15 @@ def validate(strategy: dict[str, Any] | None, devices: int = 1, world_sync: bool
     ``world_sync`` is the sabotage: metrics synced over the whole world, as torchmetrics does by default."""
     from torchmetrics.utilities.distributed import gather_all_tensors
 
-    from lightning_par3d import Par3DEngine
+    from lightning_par3d.engine.placement import Placement
 
-    original = Par3DEngine.metric_sync_fn
+    original = Placement.metric_sync_fn
     if world_sync:
-        Par3DEngine.metric_sync_fn = lambda self: lambda t, group=None: gather_all_tensors(t)  # type: ignore
+        Placement.metric_sync_fn = lambda self: lambda t, group=None: gather_all_tensors(t)  # type: ignore
     try:
         return _validate(strategy, devices)
     finally:
-        Par3DEngine.metric_sync_fn = original  # type: ignore[method-assign]
+        Placement.metric_sync_fn = original  # type: ignore[method-assign]
 
 
 def _validate(strategy: dict[str, Any] | None, devices: int) -> dict[str, float]:

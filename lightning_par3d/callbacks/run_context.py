@@ -46,4 +46,4 @@ def par3d_engine(trainer: L.Trainer) -> Par3DEngine | None:
 def pp_rank(trainer: L.Trainer) -> int:
     """This rank's pipeline position (0 without pipelining, or under another strategy)."""
     engine = par3d_engine(trainer)
-    return engine.pp_rank if engine is not None and engine.is_set_up else 0
+    return engine.placement.pp_rank if engine is not None and engine.placement.is_set_up else 0

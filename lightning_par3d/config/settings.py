@@ -218,7 +218,7 @@ class Par3DConfig:
     measure: int | None = None
     """With ``layout="auto"``: train ``measure`` of the layouts the planner predicts fastest (its first choice, then
     the fastest of each next kind: pp, tp and data-parallel engine) for a few steps each, in the job's own
-    processes, and keep the fastest measured (``lightning_par3d.engine.measure``; the run starts from
+    processes, and keep the fastest measured (``lightning_par3d.planning.measuring``; the run starts from
     what it would have had without measuring). None: 3 where the front-end has a batch to measure with at launch
     (the Trainer, Accelerate), else none (Fabric plans before any dataloader). 0: train the predicted fastest. Costs
     about ``measure × 4`` steps and a model build each, once per launch."""

@@ -1,24 +1,27 @@
 """``Par3DEngine``: one model's distributed life at one par3d layout, in one framework-free object (see the package
 docstring for the order of calls). A facade: each job is a module of its own, which this class calls with its
-state.
+state, or a part it holds, whose names it reads as its own (:class:`~lightning_par3d.utils.parts.PartOf`).
 
-=====================================  =================================================================
-job                                    module
-=====================================  =================================================================
-validation, process groups, layout     :mod:`~lightning_par3d.engine.processes` (the base class)
-reusing a model parallelized before    :mod:`~lightning_par3d.engine.records`
-optimizers (pointing, ZeRO-1/2)        :mod:`~lightning_par3d.engine.optimizers`
-steps, accumulation, clipping          :mod:`~lightning_par3d.engine.steps`
-collectives over the data-parallel     :mod:`~lightning_par3d.engine.collectives`
-checkpoints                            :mod:`~lightning_par3d.engine.saving`
-failures                               :mod:`~lightning_par3d.distributed.faults`
-elastic re-layout                      :mod:`~lightning_par3d.engine.elastic`
-=====================================  =================================================================
+==========================================  ===========================================================================
+job                                         module
+==========================================  ===========================================================================
+validation, process groups, layout, the     :mod:`~lightning_par3d.engine.placement` (the part ``engine.placement``)
+coordinates, reductions over the dp ranks,
+this rank's failure
+reusing a model parallelized before         :mod:`~lightning_par3d.engine.records`
+optimizers (pointing, ZeRO-1/2)             :mod:`~lightning_par3d.engine.optimizers`
+steps, accumulation, clipping               :mod:`~lightning_par3d.engine.steps`
+the token mean of the global batch          :mod:`~lightning_par3d.engine.tokens`
+collectives over the data-parallel ranks    :mod:`~lightning_par3d.engine.collectives`
+checkpoints                                 :mod:`~lightning_par3d.engine.saving` (the part ``engine.saves``)
+failures                                    :mod:`~lightning_par3d.distributed.faults`
+elastic re-layout                           :mod:`~lightning_par3d.engine.elastic`
+==========================================  ===========================================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -28,32 +31,70 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_par3d.checkpoint import dcp
 from lightning_par3d.compose import ParallelizeReport, parallelize
-from lightning_par3d.config import Par3DConfig
+from lightning_par3d.config import Layout, Par3DConfig
+from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.engine import collectives, records, saving, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
-from lightning_par3d.engine.processes import Processes
+from lightning_par3d.engine.placement import Placement
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.pipeline.batches import check_loader
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
 from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, attach_forward_only, install_loss
+from lightning_par3d.planning.at_launch import BatchSplit
 from lightning_par3d.utils.model_changes import record_of, remember
+from lightning_par3d.utils.parts import PartOf
 from lightning_par3d.zero.optimizer import ZeroOptimizer
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Backward = Callable[[torch.Tensor], Any]
 
 
-class Par3DEngine(Processes):
-    """One model's distributed life at one par3d layout: validation, process groups and mesh
-    (:class:`~lightning_par3d.engine.processes.Processes`), the build context, ``parallelize``, optimizer setup, the
-    step (pipelined or not), gradient sync and clipping, sharded checkpoints and teardown. Independent of Lightning,
-    Fabric and Accelerate."""
+class Par3DEngine:
+    """One model's distributed life at one par3d layout: validation, process groups and mesh (its
+    :class:`~lightning_par3d.engine.placement.Placement`, whose names it reads as its own), the build context,
+    ``parallelize``, optimizer setup, the step (pipelined or not), the token mean, gradient sync and clipping,
+    reductions over the data-parallel ranks, sharded checkpoints and teardown. Independent of Lightning, Fabric and
+    Accelerate."""
+
+    # Where this rank is: the placement's (lightning_par3d.engine.placement), read (and set) through the engine.
+    config = PartOf[Par3DConfig]("placement")
+    precision = PartOf[str]("placement")
+    batch_split = PartOf[BatchSplit | None]("placement")
+    layout = PartOf[Layout]("placement")
+    mesh = PartOf[Par3DMesh]("placement")
+    device = PartOf[torch.device]("placement")
+    rank = PartOf[int]("placement")
+    dp_size = PartOf[int]("placement")
+    dp_rank = PartOf[int]("placement")
+    holds_last_stage = PartOf[bool]("placement")
+    awaits_layout = PartOf[bool]("placement")
+    resolve = PartOf[Callable[..., Layout | None]]("placement")
+    setup = PartOf[Callable[..., None]]("placement")
+    choose_layout = PartOf[Callable[..., Layout]]("placement")
+    barrier = PartOf[Callable[[], None]]("placement")
+    sampler_kwargs = PartOf[Callable[[], dict[str, int]]]("placement")
+    reduce = PartOf[Callable[..., torch.Tensor]]("placement")
+    attach_metrics = PartOf[Callable[..., int]]("placement")
+    failed = PartOf[bool]("placement")
+    note_step = PartOf[Callable[[int], None]]("placement")
+    describe_failure = PartOf[Callable[[BaseException], str]]("placement")
+    failed_first = PartOf[Callable[[], bool]]("placement")
+    # The checkpoints: the saves' (lightning_par3d.engine.saving.ModelSaves).
+    model_state = PartOf[Callable[[], dict[str, Any]]]("saves")
+    optimizer_state = PartOf[Callable[[Any], dict[str, Any]]]("saves")
+    save_pretrained = PartOf[Callable[[str | Path], Path]]("saves")
+    save = PartOf[Callable[..., None]]("saves")
+    load = PartOf[Callable[..., dict[str, Any]]]("saves")
+    wait_for_saves = PartOf[Callable[[], None]]("saves")
+    background = PartOf[dcp.BackgroundSaves | None]("saves")
 
     def __init__(self, config: Par3DConfig, precision: str = "32-true") -> None:
-        super().__init__(config, precision)
+        self.placement = Placement(config, precision)
+        """Where this rank is (:class:`~lightning_par3d.engine.placement.Placement`); ``layout``, … are its."""
         self.accumulate_grad_batches = 1
         """Batches per optimizer step (gradient accumulation); the pipeline scales its losses by it."""
         self.clear_grads_first = False
@@ -65,9 +106,9 @@ class Par3DEngine(Processes):
         self._zero: list[ZeroOptimizer] = []
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
-        self.checkpoint_directories = saving.SharedDirectories(lambda: self.devices_per_node)  # seen by every node
-        self.background = saving.background_saves(config.async_save, config.timeout_s)
-        """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
+        self._tokens: tokens.TokenMean | None = None
+        self.saves = saving.ModelSaves(self.placement, self._saved_module)
+        """The checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`): ``save``, ``load``, … are its."""
 
     # ---------------------------------------------------------------- the model
     @contextmanager
@@ -160,12 +201,7 @@ class Par3DEngine(Processes):
 
     def describe(self) -> str:
         """One line for the log: the layout, what was applied, and what the step's loss averages over."""
-        token_mean = self.token_mean
-        mean = "the global batch's token mean"
-        if token_mean is None:
-            mean = "each microbatch's own mean"
-        elif token_mean.source == tokens.NONE:
-            mean = "the global batch's token mean in train_step, else each batch's own mean"
+        mean = _describe_mean(self.token_mean)
         return f"par3d: {self.layout} on {self.layout.world_size} ranks; {self.report}; loss: {mean}."
 
     # ---------------------------------------------------------------- optimizers
@@ -273,66 +309,28 @@ class Par3DEngine(Processes):
             data, as_objects, self.layout, self.mesh, self.holds_last_stage, self.pipeline, self.device
         )
 
+    # ---------------------------------------------------------------- the token mean
+    @property
+    def token_mean(self) -> tokens.TokenMean | None:
+        """The token-mean state under ``loss_mean="tokens"`` (None otherwise)."""
+        if self._tokens is None and self.config.loss_mean == "tokens":
+            self._tokens = tokens.TokenMean.of(self.placement, lambda: self.accumulate_grad_batches)
+        return self._tokens if self.config.loss_mean == "tokens" else None
+
+    def start_batch(self) -> None:
+        """A training batch begins (front-ends call this once per batch, before its loss): under
+        ``loss_mean="tokens"`` its place in the accumulation window (:meth:`tokens.TokenMean.start_batch`)."""
+        if self.token_mean is not None:
+            self.token_mean.start_batch()
+
+    def backward_factor(self, divided_by: int) -> float:
+        """What a front-end multiplies a training loss by before its backward when its framework divides the loss by
+        ``divided_by`` (:meth:`tokens.TokenMean.backward_factor`); 1 outside ``loss_mean="tokens"``."""
+        return self.token_mean.backward_factor(divided_by) if self.token_mean is not None else 1.0
+
     # ---------------------------------------------------------------- checkpoints
     def _saved_module(self) -> nn.Module:
         return saving.saved_module(self.module, self.forward_module)
-
-    def model_state(self) -> dict[str, Any]:
-        """This rank's shards of the model's state (DTensors, nothing gathered), keyed by original names."""
-        return saving.dcp.model_state(self._saved_module())
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This rank's shards of ``optimizer``'s state (wrapped by a framework or not), keyed by parameter name."""
-        return saving.dcp.optimizer_state(self._saved_module(), saving.unwrapped(optimizer))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
-        return saving.full_state_dict(self._saved_module(), self.mesh, self.rank)
-
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Writes the transformers model inside the trained module as a ``save_pretrained`` directory, from any
-        layout (gathered on rank 0, which writes it). Every rank must call it."""
-        return saving.save_pretrained(self._saved_module(), self.full_state_dict(), directory, self.rank)
-
-    def save(
-        self,
-        path: str | Path,
-        metadata: dict[str, Any],
-        optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
-        model_state: dict[str, Any] | None = None,
-        model_key: str = saving.MODEL_KEY,
-        streams: bool = True,
-    ) -> None:
-        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
-        (their :meth:`optimizer_state`, by name, or ``optimizer_0``, … for a list) with DCP, ``metadata`` (rank 0's),
-        and (``streams``) each rank's random generators, atomically. Every rank must call it."""
-        self.checkpoint_directories.check(Path(path).parent)
-        tensors = {model_key: self.model_state() if model_state is None else model_state}
-        tensors.update(saving.by_key(optimizer_states))
-        where = (saving.saved_at(self.layout), self.device) if streams else None
-        saving.save(path, tensors, metadata, self.rank, where, self.background)
-
-    def load(
-        self,
-        path: str | Path,
-        optimizers: Sequence[Any] | Mapping[str, Any] = (),
-        model_key: str = saving.MODEL_KEY,
-        strict: bool = True,
-        weights_only: bool | None = None,
-        streams: bool = True,
-    ) -> dict[str, Any]:
-        """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
-        layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
-        checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
-        where = (saving.saved_at(self.layout), self.device, self.rank) if streams else None
-        self.wait_for_saves()
-        return saving.load(path, self._saved_module(), optimizers, model_key, strict, weights_only, where)
-
-    def wait_for_saves(self) -> None:
-        """With ``async_save``: waits for the save in flight on every rank (then a barrier); raises its error."""
-        if self.background is not None:
-            self.background.wait()
-            self.barrier()
 
     # ---------------------------------------------------------------- the end
     def teardown(self) -> None:
@@ -343,3 +341,12 @@ class Par3DEngine(Processes):
                 self.background.wait()
         finally:
             self.close_optimizers()
+
+
+def _describe_mean(token_mean: tokens.TokenMean | None) -> str:
+    """What a step's loss averages over, for the engine's line in the log."""
+    if token_mean is None:
+        return "each microbatch's own mean"
+    if token_mean.source == tokens.NONE:
+        return "the global batch's token mean in train_step, else each batch's own mean"
+    return "the global batch's token mean"

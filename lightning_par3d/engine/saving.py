@@ -156,3 +156,77 @@ class SharedDirectories:
         if not ({resolved, *resolved.parents} & self.checked):
             check_directory_is_shared(resolved, self.devices_per_node())
             self.checked.add(resolved)
+
+
+class ModelSaves:
+    """One engine's checkpoints (a part of :class:`~lightning_par3d.engine.Par3DEngine`, whose ``save``, ``load``,
+    ``model_state``, … these are): this rank's shards of the model and optimizers with DCP, atomically, with each
+    rank's random generators; the whole model gathered for ``save_pretrained``; the saves in the background
+    (``async_save``) and the directories checked to be shared by every node. ``placement``: where this rank is
+    (:class:`~lightning_par3d.engine.placement.Placement`); ``model()``: the module whose names a checkpoint uses
+    (:func:`saved_module`)."""
+
+    def __init__(self, placement: Any, model: Callable[[], nn.Module]) -> None:
+        self.placement, self._model = placement, model
+        self.checkpoint_directories = SharedDirectories(lambda: placement.devices_per_node)
+        self.background = background_saves(placement.config.async_save, placement.config.timeout_s)
+        """With ``async_save``: the saves written in the background (``checkpoint.dcp.BackgroundSaves``)."""
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's shards of the model's state (DTensors, nothing gathered), keyed by original names."""
+        return dcp.model_state(self._model())
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's shards of ``optimizer``'s state (wrapped by a framework or not), keyed by parameter name."""
+        return dcp.optimizer_state(self._model(), unwrapped(optimizer))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state, unsharded, under its original names, on rank 0 (None elsewhere); a collective."""
+        return full_state_dict(self._model(), self.placement.mesh, self.placement.rank)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Writes the transformers model inside the trained module as a ``save_pretrained`` directory, from any
+        layout (gathered on rank 0, which writes it). Every rank must call it."""
+        return save_pretrained(self._model(), self.full_state_dict(), directory, self.placement.rank)
+
+    def save(
+        self,
+        path: str | Path,
+        metadata: dict[str, Any],
+        optimizer_states: Sequence[dict[str, Any]] | Mapping[str, dict[str, Any]] = (),
+        model_state: dict[str, Any] | None = None,
+        model_key: str = MODEL_KEY,
+        streams: bool = True,
+    ) -> None:
+        """Saves this rank's shards of the model (``model_state``, by default :meth:`model_state`) and optimizers
+        (their :meth:`optimizer_state`, by name, or ``optimizer_0``, … for a list) with DCP, ``metadata`` (rank 0's),
+        and (``streams``) each rank's random generators, atomically. Every rank must call it."""
+        place = self.placement
+        self.checkpoint_directories.check(Path(path).parent)
+        tensors = {model_key: self.model_state() if model_state is None else model_state}
+        tensors.update(by_key(optimizer_states))
+        where = (saved_at(place.layout), place.device) if streams else None
+        save(path, tensors, metadata, place.rank, where, self.background)
+
+    def load(
+        self,
+        path: str | Path,
+        optimizers: Sequence[Any] | Mapping[str, Any] = (),
+        model_key: str = MODEL_KEY,
+        strict: bool = True,
+        weights_only: bool | None = None,
+        streams: bool = True,
+    ) -> dict[str, Any]:
+        """Restores the model's and ``optimizers``' shards in place from the checkpoint at ``path`` (saved at this
+        layout or any other) and returns its metadata; with ``streams``, each rank's random generators where the
+        checkpoint was saved at this layout (at another, rank 0 says why they start afresh)."""
+        place = self.placement
+        where = (saved_at(place.layout), place.device, place.rank) if streams else None
+        self.wait_for_saves()
+        return load(path, self._model(), optimizers, model_key, strict, weights_only, where)
+
+    def wait_for_saves(self) -> None:
+        """With ``async_save``: waits for the save in flight on every rank (then a barrier); raises its error."""
+        if self.background is not None:
+            self.background.wait()
+            self.placement.barrier()

@@ -117,6 +117,20 @@ class TokenMean:
         self._checked = False
         self._warned = False
 
+    @classmethod
+    def of(cls, placement: Any, accumulation: Callable[[], int]) -> TokenMean:
+        """The token mean of an engine's placement (its configuration's ``ignore_index`` and ``loss_tokens``, its
+        data-parallel ranks and device), with the front-end's batches per optimizer step."""
+        config, dp = placement.config, placement.dp_size
+        return cls(
+            config.ignore_index,
+            dp,
+            dp_group=(lambda: placement.dp_group()) if dp > 1 else (lambda: None),
+            device=lambda: placement.device,
+            accumulation=accumulation,
+            where=config.loss_tokens,
+        )
+
     # ---------------------------------------------------------------- a training batch
     def start_batch(self) -> None:
         """A training batch begins: its entry from the dataloader that read it ahead (its window's count summed

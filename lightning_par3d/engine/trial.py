@@ -1,15 +1,24 @@
-"""One training step of a model built by an engine: what ``layout="auto"`` measures candidates with
-(:mod:`lightning_par3d.engine.measure`) and what a dry run runs (:mod:`lightning_par3d.tools.dry_run`)."""
+"""One training step of a model built by an engine: what ``layout="auto"`` times its candidates with
+(:func:`measure_step`, handed to :mod:`lightning_par3d.planning.measuring`) and what a dry run runs
+(:mod:`lightning_par3d.tools.dry_run`)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_par3d.planning.at_launch import Candidate
+from lightning_par3d.planning.measuring import STEPS, WARMUP, MeasureWith, resized
 
 
 def build_step(
@@ -103,3 +112,36 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device) -> float:
+    """The median step of ``candidate`` (the slowest rank's), on a fresh copy of the model."""
+    from lightning_par3d.engine import Par3DEngine  # the engine's package imports this module
+
+    config = dataclasses.replace(candidate.config, init="meta", async_save=False, elastic=False)
+    engine = Par3DEngine(config, precision)
+    engine.resolve(dist.get_world_size(), device.type)
+    engine.setup(device)
+    module = copy.deepcopy(sample.module)
+    model, step = build_step(engine, module, sample.loss_fn)
+    optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, None))
+    batch = to_device(resized(sample.batch, candidate.split.rank_batch), device)
+    kept = []
+    try:
+        for index in range(WARMUP + STEPS):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(candidate.split.accumulate):
+                step(batch, index)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= WARMUP:
+                kept.append(time.perf_counter() - started)
+    finally:
+        engine.teardown()
+    slowest = torch.tensor([statistics.median(kept)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())

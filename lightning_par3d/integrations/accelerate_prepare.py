@@ -25,12 +25,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_par3d.engine import Par3DEngine
-from lightning_par3d.engine.measure import measure_with
 from lightning_par3d.engine.rebatching import with_batch_size
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations.framework_private import prepared_models, prepared_optimizers
 from lightning_par3d.pipeline.trunk import PipelineHost
 from lightning_par3d.planning.at_launch import batch_shape, meta_copy, surrogate_loss
+from lightning_par3d.planning.measuring import measure_with
 from lightning_par3d.utils.model_changes import set_attribute
 
 

@@ -46,7 +46,7 @@ class Par3DStateCheckpoints(Accelerator):
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
         """The whole model's weights, unsharded and under their original names, on process 0 (None elsewhere)."""
-        return self.engine.full_state_dict()
+        return self.engine.saves.full_state_dict()
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Writes the prepared Hugging Face transformers model as a ``save_pretrained`` directory from any layout
@@ -67,7 +67,7 @@ class Par3DStateCheckpoints(Accelerator):
         self._finish_saves()
         naming = self.project_configuration.automatic_checkpoint_naming
         target = state_folder(self.project_dir, self.save_iteration, output_dir, naming)
-        self.engine.checkpoint_directories.check(target.parent)
+        self.engine.saves.checkpoint_directories.check(target.parent)
         lock: atomic.SaveLock | None = atomic.SaveLock(target) if self.engine.rank == 0 else None
         staging = Path(on_rank_zero(lambda: begin_save(target, lock), (atomic.CheckpointInUse,)))
         try:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -37,19 +36,19 @@ from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
 from lightning_par3d.integrations.framework_private import (
-    PATH,
     BackwardSyncControl,
     FabricScriptLauncher,
     all_gather_over,
     sync_over,
 )
+from lightning_par3d.integrations.lightning_checkpoints import FabricCheckpointHooks
 from lightning_par3d.integrations.lightning_data import rebatched
 from lightning_par3d.integrations.registry import register_fabric_strategy
 from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.planning.at_launch import meta_copy
 
 
-class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
+class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpointHooks):
     """The Fabric counterpart of :class:`~lightning_par3d.integrations.trainer.Par3DStrategy`; same settings, same
     engine, same checkpoint layout: a :class:`~lightning_par3d.config.Par3DConfig`, or its fields as typed keyword
     arguments."""
@@ -244,43 +243,6 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, ParallelStrategy):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}; it must be finite to clip by it.")
         return norm
 
-    # ---------------------------------------------------------------- checkpoints: fabric.save and fabric.load
-    @override
-    def save_checkpoint(
-        self,
-        path: PATH,
-        state: dict[str, Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Any] | None = None,
-    ) -> None:
-        """Saves ``state`` as a sharded DCP directory: the model and optimizers by shard, the rest in ``meta.pt``."""
-        if storage_options is not None or filter is not None:
-            raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`/`filter`.")
-        key = _model_key(state)
-        optimizers = {name: self.engine.optimizer_state(o) for name, o in state.items() if isinstance(o, Optimizer)}
-        metadata = {name: obj for name, obj in state.items() if name != key and name not in optimizers}
-        self.engine.save(self.broadcast(str(path)), metadata, optimizers, model_key=key)
-
-    @override
-    def load_checkpoint(
-        self,
-        path: PATH,
-        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Restores the model and optimizers in ``state`` in place; returns the remaining saved entries."""
-        if not isinstance(state, dict):
-            raise TypeError("par3d loads into a dict of objects, e.g. state={'model': model, 'optimizer': optimizer}.")
-        optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
-        path = self.broadcast(str(path))
-        key = _model_key(state)
-        metadata = self.engine.load(path, optimizers, model_key=key, strict=strict, weights_only=weights_only)
-        for name in list(metadata):
-            if name in state and not isinstance(state[name], (Module, Optimizer)):
-                state[name] = metadata.pop(name)
-        return metadata
-
 
 class _Par3DBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: DDP's or FSDP2's gradient sync off, and ZeRO-1's all-reduce."""
@@ -291,15 +253,6 @@ class _Par3DBackwardSyncControl(BackwardSyncControl):
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return self.engine.no_sync(enabled)
-
-
-def _model_key(state: dict[str, Any]) -> str:
-    keys = [name for name, obj in state.items() if isinstance(obj, Module)]
-    if len(keys) != 1:
-        raise ValueError(
-            f"par3d checkpoints hold exactly one model; the state has {len(keys)}. Save each model separately."
-        )
-    return keys[0]
 
 
 register_fabric_strategy(Par3DFabricStrategy)  # "par3d" in Lightning's registry, whoever imported this module

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_par3d.parallel.precision import PRECISIONS, GlobalGradScaler, check_precision, precision_name
 
@@ -62,3 +64,34 @@ def as_par3d_precision(plugin: Precision) -> Precision:
         f"par3d does not support the {type(plugin).__name__} plugin (precision={name!r}). Use "
         f"precision= one of {', '.join(map(repr, PRECISIONS))}."
     )
+
+
+class UsesPar3DPrecision(ParallelStrategy):
+    """The Trainer strategy's precision plugin: Lightning's ``precision=`` as par3d's plugin
+    (:func:`as_par3d_precision`), connected to the engine, whose ``precision`` (the name, ``"bf16-mixed"`` say) the
+    rest of par3d reads."""
+
+    engine: Par3DEngine
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self.precision_plugin = Par3DPrecision()
+        assert self._precision_plugin is not None
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        """Lightning's ``precision=`` plugin, as par3d's (global-norm clipping); an unsupported one raises here."""
+        plugin = as_par3d_precision(precision_plugin) if precision_plugin is not None else None
+        if plugin is not None:
+            plugin.engine = self.engine  # type: ignore[attr-defined]
+            self.engine.precision = precision_name(plugin)
+        self._precision_plugin = plugin
+
+    @property
+    def precision(self) -> str:
+        """Lightning's ``precision=`` value in use (``"32-true"``, ``"bf16-mixed"``, …)."""
+        return self.engine.precision

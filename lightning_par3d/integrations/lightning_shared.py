@@ -26,7 +26,6 @@ from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.threads import set_threads_per_rank
 from lightning_par3d.engine import Par3DEngine
 from lightning_par3d.engine.elastic import check_front_end
-from lightning_par3d.engine.measure import MeasureWith
 from lightning_par3d.integrations.framework_private import (
     DeviceDtypeModuleMixin,
     default_backend_for,
@@ -34,6 +33,7 @@ from lightning_par3d.integrations.framework_private import (
     init_dist_connection,
 )
 from lightning_par3d.planning.at_launch import batch_shape
+from lightning_par3d.planning.measuring import MeasureWith
 from lightning_par3d.utils.console import known_upstream_warnings_once_per_job
 
 T = TypeVar("T")
@@ -144,7 +144,7 @@ def check_checkpoint_directories(engine: Par3DEngine, trainer: Any) -> None:
     for callback in trainer.checkpoint_callbacks:
         directory = getattr(callback, "dirpath", None)
         if directory and trainer.state.fn == "fit":
-            engine.checkpoint_directories.check(directory)
+            engine.saves.checkpoint_directories.check(directory)
 
 
 def is_failure(exception: BaseException) -> bool:
@@ -246,7 +246,7 @@ class LightningFrontEnd:
     def resolve_world(self: LightningStrategy) -> None:
         """Runs every check that needs the world size, once Lightning has set devices and nodes, before any process
         is launched; fixes the layout unless ``layout="auto"`` chooses it at launch."""
-        if not self.engine.is_resolved:
+        if not self.engine.placement.is_resolved:
             self._note_precision()
             device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self.engine.resolve(self.num_nodes * self.num_processes, device_type)

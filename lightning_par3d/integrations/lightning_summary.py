@@ -115,7 +115,7 @@ class Par3DRichModelSummary(Par3DModelSummary, RichModelSummary):
 def _pipeline_group(trainer: pl.Trainer) -> Any:
     """The pp process group of a pipelined par3d run, else None."""
     engine = getattr(trainer.strategy, "engine", None)
-    if engine is None or not engine.is_set_up or engine.layout.pp == 1:
+    if engine is None or not engine.placement.is_set_up or engine.layout.pp == 1:
         return None
     return engine.mesh["pp"].get_group()
 

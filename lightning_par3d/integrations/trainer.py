@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -13,38 +12,36 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par3d.checkpoint.dcp import remove_checkpoint
 from lightning_par3d.config import Par3DConfig, field_keywords
-from lightning_par3d.engine.measure import measure_with
-from lightning_par3d.engine.saving import after_saves
 from lightning_par3d.engine.tokens import read_ahead
 from lightning_par3d.integrations import lightning_shared as shared
-from lightning_par3d.integrations.framework_private import PATH, sync_over
+from lightning_par3d.integrations.framework_private import sync_over
+from lightning_par3d.integrations.lightning_checkpoints import TrainerCheckpointHooks
 from lightning_par3d.integrations.lightning_compile import TakesCompiledModules
 from lightning_par3d.integrations.lightning_data import check_epochs, rebatched
 from lightning_par3d.integrations.lightning_elastic import ElasticRun
 from lightning_par3d.integrations.lightning_launcher import Par3DLauncher
 from lightning_par3d.integrations.lightning_logging import LogRelay
-from lightning_par3d.integrations.lightning_pipeline import HeldGradients
-from lightning_par3d.integrations.lightning_precision import Par3DPrecision, as_par3d_precision
+from lightning_par3d.integrations.lightning_pipeline import HeldGradients, PipelinedTrainingSteps
+from lightning_par3d.integrations.lightning_precision import UsesPar3DPrecision
 from lightning_par3d.integrations.lightning_summary import use_par3d_summary
 from lightning_par3d.integrations.registry import register_trainer_strategy
-from lightning_par3d.parallel.precision import precision_name
 from lightning_par3d.pipeline.trunk import install_loss
 from lightning_par3d.planning.at_launch import meta_copy
+from lightning_par3d.planning.measuring import measure_with
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStrategy):
+class Par3DStrategy(
+    TakesCompiledModules, shared.LightningFrontEnd, PipelinedTrainingSteps, TrainerCheckpointHooks, UsesPar3DPrecision
+):
     """Trains an unchanged LightningModule at any mix of data, tensor and pipeline parallelism.
 
     Give the settings either as a :class:`~lightning_par3d.config.Par3DConfig` or as its fields::
@@ -58,8 +55,11 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
     The LightningModule builds its model in ``configure_model`` (for real on rank 0 only, with ``init="rank0"``);
     :meth:`Par3DEngine.parallelize <lightning_par3d.engine.Par3DEngine.parallelize>` then applies the layout. The
     configuration is validated when the strategy is created and again, with the world size, before any process is
-    launched. What it shares with Fabric's strategy is :class:`~lightning_par3d.integrations.lightning_shared.
-    LightningFrontEnd`; each hook below is Lightning's, translated to the engine.
+    launched. Each hook is Lightning's, translated to the engine, grouped by job: what it shares with Fabric's
+    strategy (:class:`~lightning_par3d.integrations.lightning_shared.LightningFrontEnd`), the step hooks
+    (:class:`~lightning_par3d.integrations.lightning_pipeline.PipelinedTrainingSteps`), the checkpoint hooks
+    (:class:`~lightning_par3d.integrations.lightning_checkpoints.TrainerCheckpointHooks`), the precision plugin
+    (:class:`~lightning_par3d.integrations.lightning_precision.UsesPar3DPrecision`) and, below, the rest.
     """
 
     strategy_name = "par3d"
@@ -99,29 +99,6 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
     @property
     def is_distributed(self) -> bool:
         return True
-
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self.precision_plugin = Par3DPrecision()
-        assert self._precision_plugin is not None
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        """Lightning's ``precision=`` plugin, as par3d's (global-norm clipping); an unsupported one raises here."""
-        plugin = as_par3d_precision(precision_plugin) if precision_plugin is not None else None
-        if plugin is not None:
-            plugin.engine = self.engine  # type: ignore[attr-defined]
-            self.engine.precision = precision_name(plugin)
-        self._precision_plugin = plugin
-
-    @property
-    def precision(self) -> str:
-        """Lightning's ``precision=`` value in use (``"32-true"``, ``"bf16-mixed"``, …)."""
-        return self.engine.precision
 
     @override
     def setup_environment(self) -> None:
@@ -167,8 +144,8 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         spec = self.engine.pipeline_spec
         if spec is not None:  # what the loss logs on the last stage, every stage logs
             install_loss(module, spec.loss, LogRelay(self.engine, module))
-        if self.engine.relayout_note:
-            rank_zero_info(f"par3d {self.engine.relayout_note}")
+        if self.engine.placement.relayout_note:
+            rank_zero_info(f"par3d {self.engine.placement.relayout_note}")
         rank_zero_info(self.engine.describe())
         self.engine.accumulate_grad_batches = trainer.accumulate_grad_batches
         check_epochs(self.engine, trainer)
@@ -199,45 +176,6 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         """Skips the gradient reduction on the non-final batches of ``accumulate_grad_batches``."""
         with self.engine.no_sync():
             yield
-
-    # ---------------------------------------------------------------- steps under pipelining
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pp the schedule runs forward and backward inside the step; the gradients it made are held aside
-        until Lightning's backward call (Lightning clears gradients between the two: see
-        :mod:`~lightning_par3d.integrations.lightning_pipeline`)."""
-        assert self.lightning_module is not None
-        self.engine.note_step(self.lightning_module.global_step)
-        self.engine.start_batch()
-        if self.engine.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        self._held_grads.restore()
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        self.engine.clear_grads_first = batch_idx % self.engine.accumulate_grad_batches == 0
-        output = super().training_step(*args, **kwargs)
-        self._held_grads.hold(self.lightning_module)
-        return output
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """Under pp the backward ran inside the step: the hooks around it run, the gradients come back. Under
-        ``loss_mean="tokens"`` the backward takes ``1/w`` of a share, which Lightning divided by the accumulation."""
-        if self.engine.pipeline is None:
-            closure_loss = closure_loss * self.engine.backward_factor(self.engine.accumulate_grad_batches)
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._held_grads.restore()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._held_grads.restore()  # a step whose training_step returned no loss never reached backward
-        return output
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -273,59 +211,6 @@ class Par3DStrategy(TakesCompiledModules, shared.LightningFrontEnd, ParallelStra
         flag = torch.tensor(int(decision), device=self.root_device)
         flag = sync_over(flag, None, reduce_op="sum")
         return bool(flag == self.world_size) if all else bool(flag)
-
-    # ---------------------------------------------------------------- checkpoints: each rank's shards, with DCP
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's shards of the model (DTensors); saved with DCP, never gathered."""
-        return self.engine.model_state()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.engine.optimizer_state(optimizer)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing to do: :meth:`load_checkpoint` restored the shards in place."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing to do: :meth:`load_checkpoint` restored the shards in place."""
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None) -> None:
-        """Saves Lightning's checkpoint dict: the shards with DCP, the rest (loops, callbacks) as ``meta.pt``."""
-        if storage_options is not None:
-            raise TypeError("par3d saves with torch.distributed.checkpoint and takes no `storage_options`.")
-        self._elastic.add_state(checkpoint, self.lightning_module.trainer if self.lightning_module else None)
-        model_state, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
-        self.engine.save(self.broadcast(str(filepath)), checkpoint, optimizer_states, model_state)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restores the shards in place (saved at any layout) and returns the rest of the checkpoint."""
-        assert self.lightning_module is not None
-        path = self.broadcast(str(checkpoint_path))
-        strict = self.lightning_module.strict_loading
-        checkpoint = self.engine.load(path, self.optimizers, strict=strict, weights_only=weights_only)
-        self._elastic.take_state(checkpoint)
-        return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: PATH) -> None:
-        """Removes an older checkpoint (rank 0), once a save still written in the background has its name."""
-        if self.is_global_zero:
-            after_saves(self.engine.background, lambda: remove_checkpoint(Path(filepath)))
 
     # ---------------------------------------------------------------- the end
     @override

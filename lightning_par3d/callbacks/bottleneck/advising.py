@@ -11,7 +11,7 @@ from lightning_par3d.callbacks.bottleneck.findings import ReportContext
 def calibrate_if_advising(engine: Any, advising: bool) -> Any:
     """The job's machine, measured by every rank at once (:meth:`Par3DEngine.calibrate
     <lightning_par3d.engine.Par3DEngine.calibrate>`), where the report advises; None otherwise."""
-    return engine.calibrate() if advising and engine is not None else None
+    return engine.placement.calibrate() if advising and engine is not None else None
 
 
 def advise_from_run(

@@ -152,7 +152,7 @@ class BottleneckReport(L.Callback):
         steps = analyze_steps(events, pp)
         everyone = gather_on_rank_zero(self._figures(trainer, steps, events, pp))
         engine = par3d_engine(trainer)
-        advising = self.advise and engine is not None and engine.is_set_up and len(steps) > 0
+        advising = self.advise and engine is not None and engine.placement.is_set_up and len(steps) > 0
         machine = calibrate_if_advising(engine, advising)  # every rank at once
         if everyone is None:
             return

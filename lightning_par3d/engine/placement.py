@@ -1,6 +1,13 @@
-"""The processes of a run and its layout: the configuration checked against the world before any process group,
-the default group and the mesh, and (``layout="auto"``) the layout chosen at launch. :class:`Processes` is the part
-of :class:`~lightning_par3d.engine.Par3DEngine` that knows where this rank is; the engine adds the model's life."""
+"""Where this rank is: the configuration checked against the world before any process group, the default group and
+the mesh, (``layout="auto"``) the layout chosen at launch, this rank's coordinates in the mesh, the reductions
+over its data-parallel peers (:mod:`~lightning_par3d.engine.collectives`), the same for every front-end, and this
+rank's failure (:mod:`~lightning_par3d.distributed.faults`).
+
+:class:`Placement` is a part of :class:`~lightning_par3d.engine.Par3DEngine` (``engine.placement``), whose names
+the engine reads as its own (:class:`~lightning_par3d.utils.parts.PartOf`): ``engine.layout``, ``engine.mesh``,
+``engine.dp_rank``, ``engine.reduce(...)`` are the placement's. The engine adds the model's life; the token mean
+(:mod:`~lightning_par3d.engine.tokens`) and the checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`)
+are parts of their own that read the placement."""
 
 from __future__ import annotations
 
@@ -17,17 +24,17 @@ from lightning_par3d.distributed import faults, groups
 from lightning_par3d.distributed.locality import launcher_devices_per_node, tp_across_nodes
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.distributed.metric_sync import SyncFn, attach_metric_sync, quiet_compute_before_update
-from lightning_par3d.engine import collectives, tokens
+from lightning_par3d.engine import collectives, trial
 from lightning_par3d.engine.elastic import relayout
-from lightning_par3d.engine.measure import MeasureWith, choose
 from lightning_par3d.parallel.compile import check_compile
 from lightning_par3d.parallel.compression import check_compression_device
 from lightning_par3d.parallel.precision import PRECISIONS, check_precision
 from lightning_par3d.planning.at_launch import BatchSplit, check_before_launch
 from lightning_par3d.planning.calibrate import calibrate_job
+from lightning_par3d.planning.measuring import MeasureWith, choose
 
 
-class Processes:
+class Placement:
     """The configuration, the world it was resolved for, and this rank's place: validation before any process group
     (:meth:`resolve`), the default group and the mesh (:meth:`setup`), the layout chosen at launch
     (:meth:`choose_layout`), and the mesh coordinates the rest of the engine reads."""
@@ -49,7 +56,6 @@ class Processes:
         self.relayout_note: str | None = None
         """Under ``elastic=True``, what :meth:`resolve` changed in the sizes to fit the world (None: nothing)."""
         self._backend = "gloo"
-        self._tokens: tokens.TokenMean | None = None
         self.batch_split: BatchSplit | None = None
         """Under ``layout="auto"``, once chosen: how the layout takes the global batch (per-rank batch size and
         accumulated batches), which the front-end applies to the training data."""
@@ -154,8 +160,8 @@ class Processes:
         devices per node :meth:`setup` found. ``accumulate``: the Trainer's ``accumulate_grad_batches``, which the
         chosen layout may change to keep the global batch (None where the user's loop accumulates).
         :attr:`batch_split` then says how the layout takes the global batch. ``sample``: the model and a batch to
-        measure the fastest predicted layouts with, on every rank (``measure``; :mod:`lightning_par3d.engine.
-        measure`); None: train the fastest predicted."""
+        measure the fastest predicted layouts with, on every rank (``measure``; :mod:`lightning_par3d.planning.
+        measuring`); None: train the fastest predicted."""
         if not self.awaits_layout:
             raise RuntimeError("Par3DEngine.choose_layout() is for layout='auto', once, after setup().")
         world = dist.get_world_size()
@@ -163,7 +169,7 @@ class Processes:
         chosen = choose(
             self.config, module, sample, world_size=world, devices_per_node=local, rank_batch=rank_batch,
             seq_len=seq_len, precision=self.precision, device=self.device, calibrate=self.calibrate,
-            accumulate=accumulate,
+            accumulate=accumulate, step_time=trial.measure_step,
         )  # fmt: skip
         self.config, self.batch_split = chosen.config, chosen.split
         self._world = None
@@ -232,51 +238,23 @@ class Processes:
         """This rank's data-parallel process group (its peers at the same pipeline stage and tp coordinate)."""
         return self.mesh["dp"].get_group()
 
+    def reduce(self, tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks, the only ranks that hold different values of a logged
+        number, for every front-end; ``op`` a name, a ``ReduceOp`` or None (:func:`collectives.reduce`)."""
+        return collectives.reduce(tensor, op, self.layout, self.mesh, self.device)
+
     def metric_sync_fn(self) -> SyncFn:
         """The torchmetrics ``dist_sync_fn`` of this layout (:func:`lightning_par3d.engine.collectives.metric_sync`)."""
         return collectives.metric_sync(self.layout, self.mesh, self.rank)
 
-    def reduce(self, tensor: torch.Tensor, op: Any = "mean") -> torch.Tensor:
-        """``tensor`` reduced over the data-parallel ranks, the only ranks that hold different values of a logged
-        number; ``op`` is a name, a ``torch.distributed.ReduceOp`` or None (mean)
-        (:func:`lightning_par3d.engine.collectives.reduce`)."""
-        return collectives.reduce(tensor, op, self.layout, self.mesh, self.device)
-
-    @property
-    def token_mean(self) -> tokens.TokenMean | None:
-        """The token-mean state under ``loss_mean="tokens"`` (None otherwise)."""
-        if self.config.loss_mean != "tokens":
-            return None
-        if self._tokens is None:
-            self._tokens = tokens.TokenMean(
-                self.config.ignore_index,
-                self.dp_size,
-                dp_group=(lambda: self.dp_group()) if self.dp_size > 1 else (lambda: None),
-                device=lambda: self.device,
-                accumulation=lambda: getattr(self, "accumulate_grad_batches", 1),
-                where=self.config.loss_tokens,
-            )
-        return self._tokens
-
-    def start_batch(self) -> None:
-        """A training batch begins (front-ends call this once per batch, before its loss): under
-        ``loss_mean="tokens"`` its place in the accumulation window (:meth:`tokens.TokenMean.start_batch`)."""
-        if self.token_mean is not None:
-            self.token_mean.start_batch()
-
-    def backward_factor(self, divided_by: int) -> float:
-        """What a front-end multiplies a training loss by before its backward when its framework divides the loss by
-        ``divided_by`` (:meth:`tokens.TokenMean.backward_factor`); 1 outside ``loss_mean="tokens"``."""
-        return self.token_mean.backward_factor(divided_by) if self.token_mean is not None else 1.0
-
     def attach_metrics(self, *modules: nn.Module) -> int:
         """Makes every torchmetrics metric in ``modules`` without a sync of its own sync over the right ranks
         (:meth:`metric_sync_fn`; :meth:`parallelize` does it for the model's own); returns how many."""
-        if self.layout.pp > 1 and self.mesh.coords(self.rank).pp != self.layout.last_stage_owner:
+        if not self.holds_last_stage:
             quiet_compute_before_update()
         return attach_metric_sync(modules, self.metric_sync_fn(), pipelined=self.layout.pp > 1)
 
-    # ---------------------------------------------------------------- when a rank fails
+    # ---------------------------------------------------------------- when this rank fails
     def note_step(self, step: int) -> None:
         """Records the step this rank is starting, so that a failure can say how far each rank had come."""
         faults.note_step(self.rank, step)

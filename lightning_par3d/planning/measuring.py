@@ -32,7 +32,6 @@ import copy
 import dataclasses
 import itertools
 import random
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +44,6 @@ from torch import Tensor, nn
 from lightning_par3d.config import Par3DConfig
 from lightning_par3d.distributed import faults
 from lightning_par3d.distributed.agree import same_refusal
-from lightning_par3d.engine.trial import build_step, module_optimizers, to_device
 from lightning_par3d.planning.at_launch import (
     BatchSplit,
     Candidate,
@@ -75,6 +73,12 @@ class MeasureWith:
     cache: Path | None = None
 
 
+StepTime = Callable[[Candidate, MeasureWith, str, torch.device], float]
+"""How a candidate's step is timed (every rank at once): its median step in seconds, the slowest rank's. The
+engine's :func:`~lightning_par3d.engine.trial.measure_step` trains the candidate on a fresh copy of the model; the
+planner cannot build an engine itself (it lies below the engine), so the engine hands it this function."""
+
+
 def choose(
     config: Par3DConfig,
     module: nn.Module | None,
@@ -88,6 +92,7 @@ def choose(
     device: torch.device,
     calibrate: Callable[[], Any],
     accumulate: int | None,
+    step_time: StepTime,
 ) -> Candidate:
     """The layout to train with (every rank): the choice measured before for the same job (:func:`job_record`: the
     model's class, parameters and config, world, global batch, sequence, precision, devices, pinned settings) where
@@ -119,10 +124,10 @@ def choose(
     candidates = [c for c in found if not c.reserve]
     if sample is None or len(candidates) == 1:
         return candidates[0]
-    best, times = pick_measured(candidates, sample, precision, device)
+    best, times = pick_measured(candidates, sample, precision, device, step_time)
     if times is not None:
         reserve = [c for c in found if c.reserve]
-        best = measure_learned(candidates, times, best, reserve, sample, precision, device)
+        best = measure_learned(candidates, times, best, reserve, sample, precision, device, step_time)
     if times is not None and sample.cache is not None and dist.get_rank() == 0:
         keep(
             sample.cache,
@@ -134,7 +139,7 @@ def choose(
 
 
 def pick_measured(
-    candidates: list[Candidate], sample: MeasureWith, precision: str, device: torch.device
+    candidates: list[Candidate], sample: MeasureWith, precision: str, device: torch.device, step_time: StepTime
 ) -> tuple[int, list[float] | None]:
     """Measures ``candidates`` (every rank at once) and returns the index of the fastest and every candidate's
     time; rank 0 prints the predicted and measured step of each and what measuring cost. Falls back to 0 (the
@@ -146,7 +151,7 @@ def pick_measured(
     step = faults.run_key(f"measure{next(_MEASURING)}")
     try:
         for index, candidate in enumerate(candidates):
-            took = measure_or_refuse(candidate, sample, precision, device, f"{step}/{index}")
+            took = measure_or_refuse(candidate, sample, precision, device, f"{step}/{index}", step_time)
             if took is None:
                 if dist.get_rank() == 0:
                     print(
@@ -171,9 +176,9 @@ point of the same code, within a fraction of a second of each other."""
 
 
 def measure_or_refuse(
-    candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device, key: str
+    candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device, key: str, step_time: StepTime
 ) -> float | None:
-    """``candidate``'s :func:`measure_step`; None where every rank raised the same error (a refusal that holds on
+    """``candidate``'s ``step_time``; None where every rank raised the same error (a refusal that holds on
     every rank, such as a ``training_step`` that needs a Trainer: rank 0 says why, and measuring stops cleanly).
     Where it failed on some ranks only, or differently, the peers of a failed rank may be waiting in the
     candidate's collectives: the failed rank raises ``RuntimeError`` naming itself and the cause at once (within
@@ -181,7 +186,7 @@ def measure_or_refuse(
     instead of falling back while its peers wait until ``timeout_s``."""
     error: Exception | None = None
     try:
-        took = measure_step(candidate, sample, precision, device)
+        took = step_time(candidate, sample, precision, device)
     except Exception as raised:
         error = raised
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -210,6 +215,7 @@ def measure_learned(
     sample: MeasureWith,
     precision: str,
     device: torch.device,
+    step_time: StepTime,
 ) -> int:
     """What the measured ``candidates`` teach: the factor per bucket that takes their predictions to their measured
     ``times`` (:func:`~lightning_par3d.planning.learn.worth_measuring`); where those factors put a ``reserve``
@@ -229,7 +235,8 @@ def measure_learned(
     states = _rng_states()
     started = time.perf_counter()
     try:
-        took = measure_or_refuse(extra, sample, precision, device, faults.run_key(f"measure{next(_MEASURING)}"))
+        key = faults.run_key(f"measure{next(_MEASURING)}")
+        took = measure_or_refuse(extra, sample, precision, device, key, step_time)
     finally:
         _restore_rng(states)
     if took is None:  # refused alike on every rank: the run goes on with the fastest measured
@@ -262,39 +269,6 @@ def describe_measured(candidates: list[Candidate], times: list[float], best: int
         f"{WARMUP} (measuring took {cost_s:.1f} s); training {candidates[best].name}{note}.\n"
         "| # | layout | predicted ms/step | measured ms/step | |\n|---:|---|---:|---:|---|\n" + "\n".join(rows)
     )
-
-
-def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device) -> float:
-    """The median step of ``candidate`` (the slowest rank's), on a fresh copy of the model."""
-    from lightning_par3d.engine import Par3DEngine
-
-    config = dataclasses.replace(candidate.config, init="meta", async_save=False, elastic=False)
-    engine = Par3DEngine(config, precision)
-    engine.resolve(dist.get_world_size(), device.type)
-    engine.setup(device)
-    module = copy.deepcopy(sample.module)
-    model, step = build_step(engine, module, sample.loss_fn)
-    optimizers = engine.setup_optimizers(module_optimizers(model, engine.module, None))
-    batch = to_device(_resized(sample.batch, candidate.split.rank_batch), device)
-    kept = []
-    try:
-        for index in range(WARMUP + STEPS):
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(candidate.split.accumulate):
-                step(batch, index)
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if index >= WARMUP:
-                kept.append(time.perf_counter() - started)
-    finally:
-        engine.teardown()
-    slowest = torch.tensor([statistics.median(kept)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
 
 
 CACHE_NAME = "par3d_auto_layout.json"
@@ -335,7 +309,7 @@ def first_batch(loader: Any) -> Any:
         _restore_rng(states)
 
 
-def _resized(batch: Any, size: int) -> Any:
+def resized(batch: Any, size: int) -> Any:
     """``batch`` with every tensor's first dimension made ``size`` (rows repeated or cut), in the same structure."""
     if isinstance(batch, Tensor):
         if batch.dim() == 0 or batch.shape[0] == size:
@@ -343,9 +317,9 @@ def _resized(batch: Any, size: int) -> Any:
         repeats = -(-size // batch.shape[0])
         return batch.repeat(repeats, *([1] * (batch.dim() - 1)))[:size]
     if isinstance(batch, dict):
-        return type(batch)({k: _resized(v, size) for k, v in batch.items()})
+        return type(batch)({k: resized(v, size) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_resized(v, size) for v in batch)
+        return type(batch)(resized(v, size) for v in batch)
     return batch
 
 
