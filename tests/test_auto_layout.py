@@ -33,16 +33,17 @@ def _trained(pool: object, devices: int, rank_batch: int, root: object, **strate
 
 
 def test_auto_at_four_ranks_trains_on_the_single_process_trajectory(pool4, tmp_path):
-    """batch_size 2 on 4 ranks: the global batch is 8 at any chosen dp. 3 layouts (the fastest predicted of the 3
-    leading kinds) are measured first (the default), in the same processes: the run after them is one process's all
-    the same. A second launch of the same job (a restart, a resume) takes the kept choice without measuring again."""
+    """batch_size 2 on 4 ranks: the global batch is 8 at any chosen dp. 3 layouts (the first choice, then the fastest
+    predicted at another pipeline size, tensor-parallel size or engine) are measured first (the default), in the same
+    processes: the run after them is one process's all the same. A second launch of the same job (a restart, a
+    resume) takes the kept choice without measuring again."""
     got, layout = _trained(pool4, 4, rank_batch=2, root=tmp_path)
     assert layout.world_size == 4
     reference = run_reference(global_batch=8)
     assert_parity(got, reference)
     log = pool4.log_tail(0, chars=20000)
     assert "It takes the global batch of 8 samples as batch_size" in log
-    assert "par3d layout='auto': measured 3 layouts, the fastest predicted of each kind that leads" in log, log
+    assert "par3d layout='auto': measured 3 layouts, the first choice and the fastest predicted at each" in log, log
     assert log.count(" chosen") == 1
     kept = json.loads((tmp_path / "par3d_auto_layout.json").read_text())
     (entry,) = kept.values()
@@ -354,3 +355,54 @@ def test_one_rebatching_behind_every_front_end_keeps_every_argument_and_refuses_
 
     with pytest.raises(ValueError, match="a Custom, a DataLoader subclass whose own arguments par3d cannot know"):
         with_batch_size(Custom(data, batch_size=4), 2)
+
+
+def _auto_with_a_pipeline_predicted_first(root: str) -> dict:
+    """``layout="auto"`` at 2 ranks (global batch 8) where the plan's first choice is forced to be a pipeline (pp=2,
+    1F1B, 8 microbatches, full checkpointing: slower than plain replication here by far) and the layout measured
+    beside it is plain replication; what the run trained."""
+    from lightning_par3d.planning import measuring
+    from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
+
+    pipeline = dict(pp=2, dp_replicate=1, dp_shard=1, tp=1, zero_stage=0, pipeline_schedule="1f1b", microbatches=8,
+                    activation_checkpointing="full")  # fmt: skip
+    replicated = dict(pp=1, dp_replicate=2, dp_shard=1, tp=1, zero_stage=0)
+
+    def pipeline_first(config: Par3DConfig, module: Any, **kwargs: Any) -> list:
+        return [candidate_from(config, pipeline, BatchSplit(8, 8), 0.010, "pp2 1f1b m8 ac=full"),
+                candidate_from(config, replicated, BatchSplit(8, 4), 0.020, "rep2")]  # fmt: skip
+
+    original, measuring.choose_at_launch = measuring.choose_at_launch, pipeline_first
+    try:
+        return run_par3d(strategy=dict(layout="auto", measure=2), devices=2, rank_batch=4, default_root_dir=root)
+    finally:
+        measuring.choose_at_launch = original
+
+
+def test_a_pipeline_predicted_first_but_measured_slower_is_not_trained(pool2, tmp_path):
+    """The cost model's first choice is a pipeline; the fastest measured layout has none: ``layout="auto"`` trains
+    the one without, on one process's trajectory, and says by how much the first choice measured slower, with each
+    candidate's median and spread."""
+    results = pool2.run(_auto_with_a_pipeline_predicted_first, root=str(tmp_path))
+    assert [(r["layout"].pp, r["layout"].dp_replicate) for r in results] == [(1, 2), (1, 2)]
+    assert_parity(results[0], run_reference(global_batch=8))
+    log = pool2.log_tail(0, chars=20000)
+    assert re.search(r"training rep2 \(the planner's first choice measured \d+\.\d\d×\)", log), log
+    assert "| measured ms/step (median) | spread (ms) | steps |" in log
+
+
+def test_two_candidates_closer_than_their_spread_are_measured_again():
+    """The medians of the two fastest within the larger spread (slowest less fastest step): one measuring cannot
+    tell them apart, so both are measured again; apart by more, neither."""
+    from lightning_par3d.planning.measuring import describe_measured, spread, too_close
+
+    assert too_close([[0.30, 0.31, 0.32], [0.10, 0.12, 0.11], [0.115, 0.12, 0.13]]) == [1, 2]
+    assert too_close([[0.10, 0.101, 0.102], [0.20, 0.21, 0.20]]) == []
+    assert too_close([[0.10, 0.12, 0.11]]) == [] and spread([0.10, 0.12, 0.11]) == pytest.approx(0.02)
+    config = Par3DConfig()
+    from lightning_par3d.planning.at_launch import BatchSplit, candidate_from
+
+    a, b = (candidate_from(config, {}, BatchSplit(4, 2), 0.1, name) for name in ("A", "B"))
+    text = describe_measured([a, b], [[0.10, 0.12, 0.11, 0.105], [0.115, 0.12, 0.13]], 0, 1.5, [0, 1])
+    assert "#1 and #2 were closer than their spread: both measured again" in text
+    assert "| 1 | A | 100.0 | 107.5 | 20.0 | 4 | chosen" in text and "| 2 | B | 100.0 | 120.0 | 15.0 | 3 |" in text

@@ -26,7 +26,7 @@ from lightning_par3d.planning.cost import (
 )
 from lightning_par3d.planning.machine import format_bytes
 from lightning_par3d.planning.probe import StageParams, StageWork
-from lightning_par3d.planning.table import to_measure
+from lightning_par3d.planning.table import PlanRow, layout_kind, to_measure
 from tests.constants import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,22 +198,41 @@ def test_choose_layout_is_the_best_row(tables):
 
 
 @pytest.mark.parametrize("count", [1, 3, 5])
-def test_auto_measures_the_fastest_prediction_of_each_leading_kind(tables, count):
-    """layout='auto' measures the plan's first choice and the fastest prediction of the next kinds (pp, tp,
-    data-parallel engine), not near-copies of one kind."""
-    from lightning_par3d.planning.table import layout_kind
-
+def test_auto_measures_the_first_choice_then_the_fastest_of_each_pipeline_size(tables, count):
+    """layout='auto' measures the plan's first choice, then the fastest prediction of each pipeline size it has not
+    measured, then of each engine and ZeRO stage, then of each tensor-parallel size: not near-copies of one kind."""
     fitting = tables[8].fitting
     picked = tables[8].to_measure(count)
-    kinds = [layout_kind(row.layout) for row in picked]
     assert len(picked) == count and picked[0] is fitting[0]
-    assert len(set(kinds)) == count
-    for row, kind in zip(picked, kinds, strict=True):  # each the fastest of its kind
-        assert row is next(r for r in fitting if layout_kind(r.layout) == kind)
-    leading = list(dict.fromkeys(layout_kind(r.layout) for r in fitting))[:count]
-    assert sorted(kinds) == sorted(leading)
-    one_kind = [r for r in fitting if layout_kind(r.layout) == kinds[0]]
-    assert to_measure(one_kind, 3) == one_kind[:3]  # fewer kinds than asked: the next fastest fill in
+    sorts = {(r.layout.pp, r.layout.data_parallel, r.layout.zero, r.layout.tp) for r in picked}
+    assert len(sorts) == count  # no near-copies: each differs in its pipeline size, engine, ZeRO stage or tp size
+    for row in picked[1:]:  # each the fastest of what it adds: a pipeline size, an engine, a tp size, a kind
+        faster = fitting[: fitting.index(row)]
+        assert any(
+            all(axis(other.layout) != axis(row.layout) for other in faster if other in picked)
+            for axis in (lambda x: x.pp, lambda x: (x.data_parallel, x.zero), lambda x: x.tp, layout_kind)
+        ), row.describe()
+    sizes = sorted({row.layout.pp for row in fitting})
+    if count >= len(sizes):
+        assert sorted({row.layout.pp for row in picked}) == sizes
+    one_kind = [r for r in fitting if layout_kind(r.layout) == layout_kind(fitting[0].layout)]
+    assert to_measure(one_kind, 3) == one_kind[:3]  # one kind only: the next fastest fill in
+
+
+def test_a_plan_whose_fastest_predictions_are_all_pipelines_measures_one_without():
+    """The Qwen2 case of issue 50: every one of the five fastest predictions pipelined, plain replication measured
+    fastest. The three layouts measured are the first choice, the fastest without a pipeline and the fastest at the
+    other pipeline size; then the tensor-parallel sizes."""
+    rows = [_row(pp=2, tp=1, rep=2), _row(pp=2, tp=2, rep=1), _row(pp=2, tp=1, shard=2), _row(pp=4, tp=1, rep=1),
+            _row(pp=2, tp=1, rep=2, ac="full"), _row(pp=1, tp=1, rep=4), _row(pp=1, tp=2, rep=2)]  # fmt: skip
+    picked = to_measure(rows, 3)
+    assert [(r.layout.pp, r.layout.tp) for r in picked] == [(2, 1), (4, 1), (1, 1)]
+    assert [(r.layout.pp, r.layout.zero) for r in to_measure(rows, 4)] == [(2, 0), (2, 3), (4, 0), (1, 0)]
+
+
+def _row(pp: int, tp: int, rep: int = 1, shard: int = 1, ac: str = "none") -> PlanRow:
+    config = Par3DConfig(pp=pp, tp=tp, dp_replicate=rep, dp_shard=shard, activation_checkpointing=ac)
+    return PlanRow(config=config, layout=resolve_layout(config, pp * tp * rep * shard), rank_batch=1, accumulate=1)
 
 
 # ---------------------------------------------------------------- bad input

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -114,8 +113,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device) -> float:
-    """The median step of ``candidate`` (the slowest rank's), on a fresh copy of the model."""
+def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device) -> list[float]:
+    """The measured steps of ``candidate`` (each the slowest rank's, the first ``WARMUP`` left out), on a fresh copy
+    of the model; the same list on every rank."""
     from lightning_par3d.engine import Par3DEngine  # the engine's package imports this module
 
     config = dataclasses.replace(candidate.config, init="meta", async_save=False, elastic=False)
@@ -142,6 +142,6 @@ def measure_step(candidate: Candidate, sample: MeasureWith, precision: str, devi
                 kept.append(time.perf_counter() - started)
     finally:
         engine.teardown()
-    slowest = torch.tensor([statistics.median(kept)], dtype=torch.float64)
+    slowest = torch.tensor(kept, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
+    return [float(t) for t in slowest.tolist()]

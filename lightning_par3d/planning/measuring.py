@@ -32,8 +32,9 @@ import copy
 import dataclasses
 import itertools
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,8 @@ class MeasureWith:
     cache: Path | None = None
 
 
-StepTime = Callable[[Candidate, MeasureWith, str, torch.device], float]
-"""How a candidate's step is timed (every rank at once): its median step in seconds, the slowest rank's. The
+StepTime = Callable[[Candidate, MeasureWith, str, torch.device], list[float]]
+"""How a candidate's steps are timed (every rank at once): each measured step in seconds, the slowest rank's. The
 engine's :func:`~lightning_par3d.engine.trial.measure_step` trains the candidate on a fresh copy of the model; the
 planner cannot build an engine itself (it lies below the engine), so the engine hands it this function."""
 
@@ -142,12 +143,13 @@ def pick_measured(
     candidates: list[Candidate], sample: MeasureWith, precision: str, device: torch.device, step_time: StepTime
 ) -> tuple[int, list[float] | None]:
     """Measures ``candidates`` (every rank at once) and returns the index of the fastest and every candidate's
-    time; rank 0 prints the predicted and measured step of each and what measuring cost. Falls back to 0 (the
-    planner's first, and no times) where every rank refused a candidate alike; a failure on some ranks only ends
-    the job (:func:`measure_or_refuse`)."""
+    median step; rank 0 prints each one's predicted step and measured median and spread, and what measuring cost.
+    Where the two fastest medians are closer than either's spread (:func:`too_close`), both are measured again, in
+    the other order, and judged on all their steps. Falls back to 0 (the planner's first, and no times) where every
+    rank refused a candidate alike; a failure on some ranks only ends the job (:func:`measure_or_refuse`)."""
     states = _rng_states()
     started = time.perf_counter()
-    times: list[float] = []
+    samples: list[list[float]] = []
     step = faults.run_key(f"measure{next(_MEASURING)}")
     try:
         for index, candidate in enumerate(candidates):
@@ -158,13 +160,34 @@ def pick_measured(
                         f"par3d layout='auto': training the planner's first choice, {candidates[0].name}.", flush=True
                     )
                 return 0, None
-            times.append(took)
+            samples.append(took)
+        again = too_close(samples)
+        for index in reversed(again):  # the other order: a drift of the machine weighs on both alike
+            more = measure_or_refuse(candidates[index], sample, precision, device, f"{step}/again{index}", step_time)
+            if more is not None:
+                samples[index] = samples[index] + more
     finally:
         _restore_rng(states)
+    times = [statistics.median(s) for s in samples]
     best = min(range(len(times)), key=times.__getitem__)
     if dist.get_rank() == 0:
-        print(describe_measured(candidates, times, best, time.perf_counter() - started), flush=True)
+        print(describe_measured(candidates, samples, best, time.perf_counter() - started, again), flush=True)
     return best, times
+
+
+def spread(steps: list[float]) -> float:
+    """How far a candidate's measured steps spread: the slowest less the fastest."""
+    return max(steps) - min(steps)
+
+
+def too_close(samples: list[list[float]]) -> list[int]:
+    """The two fastest candidates (by median, fastest first) where their medians are closer than the larger of their
+    spreads (:func:`spread`), so that one measuring cannot tell them apart; else none."""
+    if len(samples) < 2:
+        return []
+    first, second = sorted(range(len(samples)), key=lambda i: statistics.median(samples[i]))[:2]
+    gap = statistics.median(samples[second]) - statistics.median(samples[first])
+    return [first, second] if gap < max(spread(samples[first]), spread(samples[second])) else []
 
 
 _MEASURING = itertools.count()
@@ -177,7 +200,7 @@ point of the same code, within a fraction of a second of each other."""
 
 def measure_or_refuse(
     candidate: Candidate, sample: MeasureWith, precision: str, device: torch.device, key: str, step_time: StepTime
-) -> float | None:
+) -> list[float] | None:
     """``candidate``'s ``step_time``; None where every rank raised the same error (a refusal that holds on
     every rank, such as a ``training_step`` that needs a Trainer: rank 0 says why, and measuring stops cleanly).
     Where it failed on some ranks only, or differently, the peers of a failed rank may be waiting in the
@@ -236,11 +259,12 @@ def measure_learned(
     started = time.perf_counter()
     try:
         key = faults.run_key(f"measure{next(_MEASURING)}")
-        took = measure_or_refuse(extra, sample, precision, device, key, step_time)
+        steps = measure_or_refuse(extra, sample, precision, device, key, step_time)
     finally:
         _restore_rng(states)
-    if took is None:  # refused alike on every rank: the run goes on with the fastest measured
+    if steps is None:  # refused alike on every rank: the run goes on with the fastest measured
         return best
+    took = statistics.median(steps)
     candidates.append(extra)
     times.append(took)
     fastest = min(range(len(times)), key=times.__getitem__)
@@ -256,18 +280,29 @@ def measure_learned(
     return fastest
 
 
-def describe_measured(candidates: list[Candidate], times: list[float], best: int, cost_s: float) -> str:
-    """What rank 0 prints: each candidate's predicted and measured step, the choice, and the time it took."""
+def describe_measured(
+    candidates: list[Candidate], samples: list[list[float]], best: int, cost_s: float, again: Sequence[int] = ()
+) -> str:
+    """What rank 0 prints: each candidate's predicted step, its measured median and spread (slowest less fastest
+    step), the choice, what was measured again, and the time measuring took."""
+    times = [statistics.median(s) for s in samples]
     rows = [
-        f"| {i + 1} | {c.name} | {c.predicted_s * 1e3:,.1f} | {t * 1e3:,.1f} |{' chosen' if i == best else ''}"
-        for i, (c, t) in enumerate(zip(candidates, times, strict=True))
+        f"| {i + 1} | {c.name} | {c.predicted_s * 1e3:,.1f} | {t * 1e3:,.1f} | {spread(s) * 1e3:,.1f} | {len(s)} |"
+        f"{' chosen' if i == best else ''}"
+        for i, (c, t, s) in enumerate(zip(candidates, times, samples, strict=True))
     ]
     note = "" if best == 0 else f" (the planner's first choice measured {times[0] / times[best]:.2f}×)"
+    close = (
+        f" #{again[0] + 1} and #{again[1] + 1} were closer than their spread: both measured again, in the other order."
+        if again
+        else ""
+    )
     return (
-        f"par3d layout='auto': measured {len(candidates)} layouts, the fastest predicted of each kind that leads "
-        f"(pp, tp, data-parallel engine), {STEPS} steps each after "
-        f"{WARMUP} (measuring took {cost_s:.1f} s); training {candidates[best].name}{note}.\n"
-        "| # | layout | predicted ms/step | measured ms/step | |\n|---:|---|---:|---:|---|\n" + "\n".join(rows)
+        f"par3d layout='auto': measured {len(candidates)} layouts, the first choice and the fastest predicted at each "
+        f"other pipeline size, engine and ZeRO stage, and tensor-parallel size, {STEPS} steps each after {WARMUP} "
+        f"(measuring took {cost_s:.1f} s); training {candidates[best].name}{note}.{close}\n"
+        "| # | layout | predicted ms/step | measured ms/step (median) | spread (ms) | steps | |\n"
+        "|---:|---|---:|---:|---:|---:|---|\n" + "\n".join(rows)
     )
 
 

@@ -89,6 +89,18 @@ def _zero(row: PlanRow) -> int:
     return row.config.zero_stage or 0
 
 
+def _pipeline_size(layout: Layout) -> int:
+    return layout.pp
+
+
+def _engine(layout: Layout) -> tuple[str, int]:
+    return layout.data_parallel, layout.zero
+
+
+def _tensor_size(layout: Layout) -> int:
+    return layout.tp
+
+
 def layout_kind(layout: Layout) -> tuple[int, int, str]:
     """A layout's kind: its pipeline and tensor-parallel sizes and its data-parallel engine (DDP, par3d's ZeRO-1/2,
     FSDP2). The cost model's errors are systematic by kind: on the 2-core machine of ``benchmarks/bench_planner.py``
@@ -99,20 +111,34 @@ def layout_kind(layout: Layout) -> tuple[int, int, str]:
 
 
 def to_measure(fitting: list[PlanRow], count: int) -> list[PlanRow]:
-    """What ``layout="auto"`` measures among ``fitting`` (fastest predicted first): the fastest predicted layout of
-    each of the ``count`` kinds (:func:`layout_kind`) whose best prediction is fastest, in that order (the first is
-    the plan's first choice), then, where fewer kinds fit, the next fastest layouts. Measuring the 3 fastest
-    predictions instead measures near-copies of one kind (ZeRO-2 at three dp splits) and cannot see that another
-    kind is faster: on ``bench_planner``'s measurements the kinds' rule takes the choice to within 4 % of the best
-    measured layout in all six cases (three models × 4 and 8 ranks), the 3 fastest predictions to ×1.14 and ×1.20
-    at 8 ranks (docs/benchmarks.md)."""
-    picked: list[int] = []
-    kinds: set[tuple[int, int, str]] = set()
-    for index, row in enumerate(fitting):
-        assert row.layout is not None
-        if len(picked) < count and layout_kind(row.layout) not in kinds:
-            kinds.add(layout_kind(row.layout))
-            picked.append(index)
+    """What ``layout="auto"`` measures among ``fitting`` (fastest predicted first), at most ``count``: the plan's first
+    choice, then the fastest predicted layout at each pipeline size not yet measured (``pp=1`` included), then of
+    each data-parallel engine and ZeRO stage, then at each tensor-parallel size, then of each other kind
+    (:func:`layout_kind`), then the next fastest layouts; measured fastest predicted first.
+
+    The cost model's errors are systematic, most by pipeline size, then by engine and ZeRO stage: on a tiny untied
+    Qwen2 at 4 ranks it put a pipeline first in each of its five fastest predictions, while plain replication
+    measured fastest (by 1.22×), and taking the ``count`` fastest kinds measured three pipelines at pp=2; on
+    ``bench_planner``'s measurements it predicts pipelines 12–22 % too slow and ZeRO-2 5–16 % too fast, and
+    tensor-parallel layouts, 2× slower on CPU cores, were never the fastest. Replayed on one full ``bench_planner``
+    run (2026-11-28, three models and a held-out Qwen3 at 4 and 8 ranks), this order takes the choice within 7 % of
+    the best measured layout in all eight cases, where the fastest kinds missed by 9 % and 20 %
+    (docs/benchmarks.md)."""
+    if count <= 0 or not fitting:
+        return []
+    layouts = [row.layout for row in fitting if row.layout is not None]
+    assert len(layouts) == len(fitting), "a fitting row has a layout"
+    picked: list[int] = [0]
+    axes = (_pipeline_size, _engine, _tensor_size, layout_kind)
+    for axis in axes:
+        seen = {axis(layouts[index]) for index in picked}
+        for index, layout in enumerate(layouts):
+            if len(picked) >= count:
+                break
+            value = axis(layout)
+            if value not in seen:
+                seen.add(value)
+                picked.append(index)
     rest = [index for index in range(len(fitting)) if index not in picked]
     return [fitting[index] for index in sorted(picked + rest[: max(count - len(picked), 0)])]
 
