@@ -121,7 +121,10 @@ def main() -> None:
         launched_run(args.launched_run, args.compiled, args.steps, args.out)
         return
     layouts = [name for name in LAYOUTS if args.only is None or args.only in name]
-    modes = [mode == "compiled" for mode in ("eager", "compiled") if mode in args.modes.split(",")]
+    asked = set(args.modes.split(","))
+    if not asked or asked - {"eager", "compiled"}:
+        parser.error(f"--modes {args.modes}: give eager, compiled, or eager,compiled.")
+    modes = [mode == "compiled" for mode in ("eager", "compiled") if mode in asked]
     kept: dict[tuple[str, bool], list[float]] = {(n, c): [] for n in layouts for c in (False, True)}
     first: dict[tuple[str, bool], list[float]] = {(n, c): [] for n in layouts for c in (False, True)}
     for r in range(args.rounds):
