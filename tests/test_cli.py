@@ -45,15 +45,20 @@ tp_does_not_divide_the_heads = background.fixture(
 SMALL = ("model.n_layer=2", "model.n_embd=32", "trainer.limit_val_batches=2", "callbacks=none")
 """A smaller model and validation for the first-day runs below; everything else is the app's default."""
 FIRST_DAY = {
-    "bare": ("trainer.max_steps=50",),  # 45 batches an epoch at dp=4: validation at batch 50 crosses the epoch
-    # 47 training windows: batches of 16, 16 and 15, as the whole text's epoch ends (2,879 = 179 × 16 + 15)
-    "pp2_tp2": ("strategy.pp=2", "strategy.tp=2", "trainer.devices=4", "+data.max_bytes=3400", "trainer.max_steps=4"),
+    "bare": ("trainer.max_steps=3",),  # Lightning checks the validation interval against the epoch before any step
+    # 47 training windows: batches of 16, 16 and 15, as the whole text's epoch ends (2,879 = 179 × 16 + 15); the
+    # validation at batch 4 is the second epoch's first batch
+    "pp2_tp2": (
+        *("strategy.pp=2", "strategy.tp=2", "trainer.devices=4", "+data.max_bytes=3400"),
+        *("trainer.max_steps=4", "trainer.val_check_interval=4"),
+    ),
 }
-"""The commands a new user types first, each of which crashed once: the bare app (the default validation interval
-was longer than a dp=4 epoch), and pp=2 × tp=2 (its epoch ends in a batch of 15 samples, which microbatches=4 does
-not divide; the run crosses an epoch's end, on a shorter text whose last batch is 15 samples too). The commands the
-README and the docs show (``experiment=hsdp``, the ``tp_plan`` example, ``strategy.layout=auto`` …) run in
-``tests/test_docs.py``."""
+"""The commands a new user types first, each of which crashed once: the bare app (the default validation interval,
+50 batches, was longer than a dp=4 epoch of 45, which Lightning refuses before the first step unless the interval
+counts across epochs, as ``conf/trainer/cpu.yaml`` says), and pp=2 × tp=2 (its epoch ends in a batch of 15 samples,
+which microbatches=4 does not divide; the run crosses an epoch's end, on a shorter text whose last batch is 15
+samples too, and validates there, an interval longer than its epoch). The commands the README and the docs show
+(``experiment=hsdp``, the ``tp_plan`` example, ``strategy.layout=auto`` …) run in ``tests/test_docs.py``."""
 first_day = background.fixture(
     "first_day", lambda folder, name: (folder, train(folder, *FIRST_DAY[name], *SMALL)), params=list(FIRST_DAY)
 )
@@ -81,9 +86,9 @@ def test_the_first_commands_a_user_types_run_to_the_end(first_day):
     if "strategy.pp=2" in out.args:
         assert "the last batch of each epoch of the training dataloader holds 15 samples" in text
         assert "it runs as 3 microbatches of 5" in text
-    if "trainer.max_steps=50" in out.args:  # validation ran, at batch 50 of the second epoch
+    if "trainer.val_check_interval=4" in out.args:  # validation ran at batch 4, the second epoch's first
         rows = list(csv.DictReader((folder / "logs" / "version_0" / "metrics.csv").open()))
-        assert [r for r in rows if r.get("val_loss")], "validation loss was not logged"
+        assert [(r["epoch"], r["step"]) for r in rows if r.get("val_loss")] == [("1", "3")], rows
 
 
 def test_layout_that_does_not_fit_exits_before_launching(too_wide_tp):
@@ -125,27 +130,39 @@ def test_unknown_mode_is_a_clear_error(unknown_mode):
     assert expected in out.stderr, out.stderr[-3000:]
 
 
-def accelerate_example(folder: Path) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py strategy.tp=2``, as
-    ``make accelerate`` runs it (fewer steps; it writes nothing): Accelerate's launcher starts 4 ranks (torchrun)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-    launcher = str(Path(sys.executable).with_name("accelerate"))
-    command = [launcher, "launch", "--config_file", "conf/accelerate/cpu4.yaml", "--main_process_port", "0"]
-    command += ["examples/accelerate_train.py", "strategy.tp=2", "steps=4", "eval_every=4"]
-    return background.run(command, timeout=600, cwd=ROOT, env=env)
+ACCELERATE_RUNS = {  # the docs' two `accelerate launch` commands (tests/test_docs.py runs each once)
+    "gpt-pp2xtp2": "accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py "
+    "strategy.pp=2 strategy.tp=2 steps=20",
+    "llama-dp_shard2xtp2": "accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py "
+    "model=hf_llama strategy.tp=2 steps=20",
+}
+LAYOUT_LINES = {
+    "gpt-pp2xtp2": "par3d: pp=2 × dp_replicate=1 × dp_shard=1 × tp=2 on 4 ranks",
+    "llama-dp_shard2xtp2": "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks",
+}
 
 
-accelerate_app = background.fixture("accelerate_app", accelerate_example)
-
-
-def test_make_accelerate_trains_and_prints_no_third_party_warning(accelerate_app):
-    """The Accelerate example through Accelerate's own launcher trains at dp_shard=2 × tp=2 and prints no warning
-    from torch, Accelerate or Lightning (it printed DTensor's "sequential all_reduce" warning on every rank, from
-    the gradient clipping)."""
-    out = accelerate_app
+@pytest.mark.parametrize("documented", list(ACCELERATE_RUNS.values()), ids=list(ACCELERATE_RUNS), indirect=True)
+def test_accelerate_launch_trains_and_prints_no_third_party_warning(documented):  # noqa: F811
+    """The Accelerate example through Accelerate's own launcher (the docs' runs, 4 ranks by torchrun) trains at the
+    layout it names, evaluates at its end, and prints no warning from torch, Accelerate or Lightning (it printed
+    DTensor's "sequential all_reduce" warning on every rank, from the gradient clipping at dp_shard=2 × tp=2, the
+    layout ``make accelerate`` trains the GPT at; its command is the docs' with ``strategy.tp=2`` alone: below)."""
+    _, out = documented
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
-    assert "par3d: pp=1 × dp_replicate=1 × dp_shard=2 × tp=2 on 4 ranks" in text
+    name = "llama-dp_shard2xtp2" if "model=hf_llama" in out.args else "gpt-pp2xtp2"
+    assert LAYOUT_LINES[name] in text, text[-3000:]
     assert "final metrics: train_loss=" in text
     warnings = [line for line in text.splitlines() if "warn" in line.lower() or "]:W" in line]
     assert not warnings, "\n".join(warnings)
+
+
+def test_make_accelerate_runs_the_documented_example_at_dp_shard2xtp2():
+    """``make accelerate`` is the docs' command of the GPT with the layout ``strategy.tp=2`` (dp_shard=2 × tp=2 on the
+    4 ranks of ``cpu4.yaml``), the layout of the docs' Llama run, both checked above."""
+    target = (ROOT / "Makefile").read_text().split("\naccelerate:", 1)[1].split("\n")[1].strip()
+    launcher, rest = target.split(" launch ", 1)
+    assert launcher == "$(VENV)/bin/accelerate"
+    gpt = ACCELERATE_RUNS["gpt-pp2xtp2"].removeprefix("accelerate launch ")
+    assert rest == gpt.replace("strategy.pp=2 strategy.tp=2 steps=20", "strategy.tp=2"), rest

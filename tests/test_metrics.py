@@ -318,7 +318,7 @@ class Lit(GPTModule):  # defined in the user's script: its class lives in __main
 
 
 trainer = L.Trainer(
-    accelerator="cpu", devices=4, strategy=Par3DStrategy(pp=2, tp=2, timeout_s=300), max_steps=2, logger=False,
+    accelerator="cpu", devices=2, strategy=Par3DStrategy(pp=2, timeout_s=300), max_steps=2, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     limit_val_batches=0, default_root_dir={root!r}, callbacks=[MemoryStats()],
 )
@@ -345,7 +345,7 @@ def test_memory_stats_estimate_for_a_module_defined_in_the_script(memory_script)
     assert "par3d memory per rank" in output, output[-3000:]
     table = output[output.index("par3d memory per rank") :]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| rank")]
-    assert len(rows) == 4
+    assert len(rows) == 2  # a pipeline of two stages: each built from the script's class
     for row in rows:
         estimate = row.strip("| ").split(" | ")[8]
         assert float(estimate) > 0, row
