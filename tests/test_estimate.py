@@ -201,7 +201,7 @@ def test_the_estimate_is_the_runs_own_build(monkeypatch):
     assert len(calls) == 2 and all(styles > 0 and blocks == 2 for _, styles, blocks in calls), calls
     calls.clear()
     estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32))
-    assert calls == [("GPTModule", 0, 4)]
+    assert calls == [("GPTModule", 0, 2), ("GPTModule", 0, 3)]  # by its depth: cut to 2 and 3 of its 4 blocks
 
     config = Par3DConfig(dp_shard=2, activation_checkpointing="full")
     plain = estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32)).rows[0]
@@ -333,6 +333,11 @@ def test_a_batch_smaller_than_the_microbatches_is_refused_by_name_before_anythin
     "module, config, precision",
     [
         ("llama", dict(pp=2, tp=2, dp_shard=2, microbatches=4), "32-true"),
+        ("llama", dict(tp=2, dp_shard=4), "bf16-mixed"),  # no pipeline: the whole model, by its depth
+        ("llama", dict(tp=2, dp_shard=2, dp_replicate=2, activation_checkpointing="full"), "32-true"),
+        ("llama-lora", dict(tp=2, dp_shard=4), "32-true"),
+        ("gpt", dict(dp_shard=8, zero_stage=2), "32-true"),
+        ("gpt", dict(tp=2, dp_shard=4, sequence_parallel=True, activation_checkpointing="op"), "bf16-true"),
         ("llama", dict(pp=2, dp_shard=4, activation_checkpointing="full", microbatches=4), "bf16-mixed"),
         ("llama", dict(pp=2, tp=2, dp_shard=2, activation_checkpointing="op", microbatches=4), "32-true"),
         ("llama", dict(pp=2, tp=2, dp_shard=2, sequence_parallel=True, microbatches=4), "32-true"),
@@ -349,7 +354,7 @@ def test_stages_measured_by_their_depth_are_the_whole_stages_measure(module, con
     """A stage of alike blocks is measured as a stage of one and of two blocks and extended to its depth: the
     estimate is the one that measures every stage whole (forced by calling every model's blocks unalike), field by
     field, first, middle and last stages alike. 10 blocks: stages of 5, or of 3 and 2 under the interleaved
-    schedule."""
+    schedule; without a pipeline, the whole model is one stage of 10 blocks."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from examples.hf_llama import CausalLMModule
@@ -366,7 +371,7 @@ def test_stages_measured_by_their_depth_are_the_whole_stages_measure(module, con
     monkeypatch.setattr(
         stage_measure.StageMeasure,
         "deeper",
-        lambda self, more, blocks: extended.append(blocks) or deeper(self, more, blocks),
+        lambda self, more, blocks, measured=1: extended.append(blocks) or deeper(self, more, blocks, measured),
     )
     built_kinds: set[type] = set()
     real_build = stage_measure._build

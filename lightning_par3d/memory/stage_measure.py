@@ -14,6 +14,13 @@ reuse it. So an estimate costs a few blocks' forwards whatever the model's depth
 measures what a plan of a 4-block one does. The extension is exact where the blocks are alike (the tests compare it
 with the measure of the whole stage, field by field); stages whose blocks differ, ``selective`` checkpointing (every
 ``ac_every``-th block, by the block's index in the model) and a custom ``ac_blocks`` are measured whole, as before.
+
+**Without pipelining, the whole model is measured by its depth too**, where it declares a pipeline trunk
+(``pipeline_trunk``, as every model par3d pipelines does): a fresh build is cut to its first two and first three
+blocks (:func:`_cut_to`: a ModuleList shortened, a ModuleDict's other keys removed), parallelized by the run's
+functions and run, and the figures extend by what the third block added. Two and three, not one and two: the run's
+functions find a model's blocks as a container of two or more alike modules (for checkpointing and sequence
+parallelism), which a model cut to one block no longer has. A model that declares no trunk is measured whole.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from lightning_par3d.memory.meters import SavedTensorMeter
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 from lightning_par3d.parallel.precision import autocast
 from lightning_par3d.parallel.tensor_parallel import local_tensor
+from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
 from lightning_par3d.pipeline.trunk import declared_pipeline
 from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode, moves_in_place_skipped
 
@@ -53,16 +61,18 @@ class StageMeasure:
     frozen: list[bool] = field(default_factory=list)
     """Per parameter in ``param_shapes``: frozen (``requires_grad=False``)."""
 
-    def deeper(self, one_more: StageMeasure, blocks: int) -> StageMeasure:
-        """This stage's measure with one block (``self``) and with two (``one_more``), extended to ``blocks``
-        alike blocks. The shapes come as a multiset (the ZeRO formulas sum over them), not in the module's order."""
+    def deeper(self, one_more: StageMeasure, blocks: int, measured: int = 1) -> StageMeasure:
+        """This stage's measure with ``measured`` blocks (``self``) and with one more (``one_more``), extended to
+        ``blocks`` alike blocks. The shapes come as a multiset (the ZeRO formulas sum over them), not in the module's
+        order."""
         extra = Counter(zip(one_more.param_shapes, one_more.frozen, strict=True))
         extra.subtract(Counter(zip(self.param_shapes, self.frozen, strict=True)))
         per_block = list(extra.elements())
-        pairs = [*zip(self.param_shapes, self.frozen, strict=True), *(per_block * (blocks - 1))]
+        more = blocks - measured
+        pairs = [*zip(self.param_shapes, self.frozen, strict=True), *(per_block * more)]
         return StageMeasure(
             param_shapes=[shape for shape, _ in pairs],
-            activation_bytes=self.activation_bytes + (blocks - 1) * (one_more.activation_bytes - self.activation_bytes),
+            activation_bytes=self.activation_bytes + more * (one_more.activation_bytes - self.activation_bytes),
             recompute_bytes=max(self.recompute_bytes, one_more.recompute_bytes),
             output=one_more.output,
             frozen=[frozen for _, frozen in pairs],
@@ -196,23 +206,33 @@ class _Part:
         """:meth:`measure`, or, where the stage's blocks are alike, the measure of its first block and first two
         blocks (``known``: by role and depth, shared by the stages of an estimate) extended to its depth."""
         layout = self.mesh.layout
-        if layout.pp == 1 or self.config.activation_checkpointing == "selective" or self.config.ac_blocks:
+        if self.config.activation_checkpointing == "selective" or self.config.ac_blocks:
             return self.measure(carried, microbatch, loss_fn)
         with self.fake:  # the model is built under the fake mode, never for real
             root = self.built.root(pipelined=True)
-            spec = declared_pipeline(root)
-            plan = build.plan_pipeline(root, spec, self.config, layout)
-            alike = self.built.alike(getattr(root, spec.trunk), [name for names in plan.blocks for name in names])
+            if layout.pp == 1:
+                blocks = _declared_blocks(root)
+                if blocks is None:  # no pipeline declared: no blocks to count, the model is measured whole
+                    return self.measure(carried, microbatch, loss_fn)
+                stage_blocks = [blocks]
+            else:
+                spec = declared_pipeline(root)
+                stage_blocks = build.plan_pipeline(root, spec, self.config, layout).blocks
+            trunk = getattr(root, declared_pipeline(root).trunk)
+            alike = self.built.alike(trunk, [name for names in stage_blocks for name in names])
         if not alike:
             return self.measure(carried, microbatch, loss_fn)
-        own = plan.blocks[self.stage]
+        own = stage_blocks[self.stage]
         role = (self.stage == 0, self.stage == layout.n_stages - 1)
-        for depth in (1, 2) if len(own) > 2 else (len(own),):
+        # Without a pipeline the model itself is cut, and the run's functions find its blocks as a container of
+        # two or more alike ones (checkpointing, sequence parallelism): it is measured at two and three blocks.
+        base = 1 if layout.pp > 1 else 2
+        for depth in (base, base + 1) if len(own) > base + 1 else (len(own),):
             if (*role, depth) not in known:
                 known[(*role, depth)] = self.measure(carried, microbatch, loss_fn, own[:depth])
-        if len(own) <= 2:
+        if len(own) <= base + 1:
             return known[(*role, len(own))]
-        return known[(*role, 1)].deeper(known[(*role, 2)], len(own))
+        return known[(*role, base)].deeper(known[(*role, base + 1)], len(own), base)
 
     def measure(
         self,
@@ -265,6 +285,8 @@ class _Part:
         fake all the same: every op on them dispatches to their own fake mode."""
         layout = self.mesh.layout
         root = self.built.root(pipelined=layout.pp > 1)
+        if layout.pp == 1 and own_blocks is not None:  # the model cut to its first blocks (measured by depth)
+            _cut_to(root, own_blocks)
         fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
         if layout.pp == 1:
             blocks = find_ac_blocks(root, config.ac_blocks)
@@ -295,6 +317,30 @@ class _Part:
             return output
 
         return part, blocks, run
+
+
+def _declared_blocks(root: nn.Module) -> list[str] | None:
+    """The blocks of the pipeline trunk ``root`` declares (names within the trunk), or None where it declares none
+    or its trunk has no one container of blocks: what a model without pipelining is measured by depth over."""
+    try:
+        trunk = getattr(root, declared_pipeline(root).trunk)
+        return list(find_trunk_parts(trunk).blocks)
+    except TypeError:
+        return None
+
+
+def _cut_to(root: nn.Module, first_blocks: list[str]) -> None:
+    """Cuts the trunk of ``root``, in place, to ``first_blocks`` (the first of its blocks, in order): a ModuleList
+    is shortened (its blocks keep their indices), a ModuleDict loses the other keys. What remains is a model of that
+    depth, whose container of blocks the run's functions find as in the whole one."""
+    trunk = getattr(root, declared_pipeline(root).trunk)
+    parts = find_trunk_parts(trunk)
+    if parts.keep_indices:
+        container = trunk.get_submodule(parts.container)
+        assert isinstance(container, nn.ModuleList) and list(parts.blocks[: len(first_blocks)]) == first_blocks
+        del container[len(first_blocks) :]
+    else:
+        keep_only(trunk, parts, set(first_blocks), first=True, last=True)
 
 
 def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:
