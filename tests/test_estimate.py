@@ -201,7 +201,10 @@ def test_the_estimate_is_the_runs_own_build(monkeypatch):
     assert len(calls) == 2 and all(styles > 0 and blocks == 2 for _, styles, blocks in calls), calls
     calls.clear()
     estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32))
-    assert calls == [("GPTModule", 0, 2), ("GPTModule", 0, 3)]  # by its depth: cut to 2 and 3 of its 4 blocks
+    assert calls == [("GPTModule", 0, 4)]  # whole: 4 blocks run fewer than its cuts to 2 and 3 would
+    calls.clear()
+    estimate_memory(GPTModule(**{**DEEP, "n_layer": 6}), Par3DConfig(dp_shard=2), 2, (8, 32))
+    assert calls == [("GPTModule", 0, 2), ("GPTModule", 0, 3)]  # by its depth: cut to 2 and 3 of its 6 blocks
 
     config = Par3DConfig(dp_shard=2, activation_checkpointing="full")
     plain = estimate_memory(GPTModule(**DEEP), Par3DConfig(dp_shard=2), 2, (8, 32)).rows[0]

@@ -20,7 +20,8 @@ with the measure of the whole stage, field by field); stages whose blocks differ
 blocks (:func:`_cut_to`: a ModuleList shortened, a ModuleDict's other keys removed), parallelized by the run's
 functions and run, and the figures extend by what the third block added. Two and three, not one and two: the run's
 functions find a model's blocks as a container of two or more alike modules (for checkpointing and sequence
-parallelism), which a model cut to one block no longer has. A model that declares no trunk is measured whole.
+parallelism), which a model cut to one block no longer has. A model that declares no trunk, or of five blocks or fewer
+(whose cuts would run as many), is measured whole.
 """
 
 from __future__ import annotations
@@ -226,7 +227,10 @@ class _Part:
         role = (self.stage == 0, self.stage == layout.n_stages - 1)
         # Without a pipeline the model itself is cut, and the run's functions find its blocks as a container of
         # two or more alike ones (checkpointing, sequence parallelism): it is measured at two and three blocks.
+        # Measured whole where that runs fewer blocks: a stage of up to 2 (a model of up to 5, whose cuts run 5).
         base = 1 if layout.pp > 1 else 2
+        if layout.pp == 1 and len(own) <= 2 * base + 1:
+            return self.measure(carried, microbatch, loss_fn)
         for depth in (base, base + 1) if len(own) > base + 1 else (len(own),):
             if (*role, depth) not in known:
                 known[(*role, depth)] = self.measure(carried, microbatch, loss_fn, own[:depth])
