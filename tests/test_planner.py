@@ -582,3 +582,24 @@ def test_the_planners_cyclic_garbage_is_kept_not_cleared():
         del cycle
     assert gc.isenabled()
     assert any(id(obj) == witness for obj in fakeworld._KEPT[kept:])  # handed over, not cleared
+
+
+def test_an_estimate_leaves_no_tensor_for_a_later_full_collection_to_clear():
+    """The section's collection runs over the youngest generation only (a full one walks the whole heap): it
+    still hands over every cycle the estimate made, so a later full collection finds no tensor to clear."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    with forget_meshes():
+        estimate_memory(GPTModule(**MODEL), Par3DConfig(dp_shard=2, tp=2), 4, (BATCH, SEQ))
+    flags = gc.get_debug()
+    gc.set_debug(flags | gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        left = [obj for obj in gc.garbage if isinstance(obj, torch.Tensor)]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(flags)
+    assert not left
