@@ -264,11 +264,18 @@ def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) 
     its entry is skipped here (the LM head's on the first stage, the embedding's on the last), never applied to the
     placeholder. A pattern that matches nothing on any stage was already refused by :func:`checked_plan`."""
     prefix = f"{trunk_attr}."
-    return {
+    styles = {
         name: fqn_styles[prefix + name]
         for name, sub in stage.named_modules()
         if name and prefix + name in fqn_styles and not isinstance(sub, NotOnThisStage)
     }
+    params = {  # entries naming a parameter (experts.gate_up_proj), where the stage holds the module they split
+        name[len(prefix) :]: style
+        for name, style in fqn_styles.items()
+        if name.startswith(prefix) and name[len(prefix) :].rpartition(".")[0] in styles
+        and name[len(prefix) :] not in styles
+    }  # fmt: skip
+    return {**styles, **params}
 
 
 def _fsdp_policies(config: Par3DConfig, precision: str) -> dict[str, Any]:

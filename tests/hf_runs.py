@@ -145,6 +145,7 @@ def run_par3d(
         "real_bytes_built": lm.real_bytes_built,
         "bytes_read": read[0],
         "bytes_held": sum(_local(p).numel() * p.element_size() for p in lm.parameters()),
+        "split_over_tp": sorted(name for name, p in lm.named_parameters() if _split_over_tp(p)),
     }
     if logits_of is not None:
         result["logits"] = _predict(trainer, lm, logits_of)
@@ -155,6 +156,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _split_over_tp(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_par3d.utils.torch_private import strided_shard
+
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    split = (Shard, strided_shard())
+    return any(name == "tp" and isinstance(p, split) for name, p in zip(names, t.placements, strict=True))
 
 
 def _predict(trainer: L.Trainer, lm: CausalLMModule, ids: torch.Tensor) -> torch.Tensor | None:

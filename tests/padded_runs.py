@@ -94,14 +94,20 @@ class OwnLossLM(CausalLMModule):
 
 
 def run_reference(
-    side: str, module: type[CausalLMModule] = PaddedLM, accumulate: int = 1, max_steps: int = 4, **trainer: Any
+    side: str,
+    module: type[CausalLMModule] = PaddedLM,
+    accumulate: int = 1,
+    max_steps: int = 4,
+    model: dict[str, Any] | None = None,
+    **trainer: Any,
 ) -> dict[str, Any]:
     """One process, Lightning's default strategy, the token mean of each step's whole global batch: one batch of
-    ``GLOBAL_BATCH × accumulate`` samples a step (what the par3d run reads over its window). ``losses``: per step."""
+    ``GLOBAL_BATCH × accumulate`` samples a step (what the par3d run reads over its window). ``losses``: per step.
+    ``model``: the module's arguments other than :data:`~tests.hf_runs.TINY`'s."""
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     kwargs = trainer_kwargs(max_steps=max_steps, **trainer)
-    lm = module(**TINY)
+    lm = module(**{**TINY, **(model or {})})
     data = PaddedReferenceData(side, own_labels=module is OwnLossLM, batch_size=GLOBAL_BATCH * accumulate, **DATA)
     L.Trainer(devices=1, callbacks=[recorder], **kwargs).fit(lm, data)
     return {"losses": recorder.losses, "params": full_state(lm)}
@@ -114,6 +120,7 @@ def run_par3d(
     module: type[CausalLMModule] = PaddedLM,
     accumulate: int = 1,
     max_steps: int = 4,
+    model: dict[str, Any] | None = None,
     **trainer: Any,
 ) -> dict[str, Any]:
     """One par3d run inside a pool worker, ``GLOBAL_BATCH`` samples a batch over the data-parallel ranks and
@@ -126,7 +133,7 @@ def run_par3d(
     recorder = LossRecorder()
     kwargs = trainer_kwargs(max_steps=max_steps, accumulate_grad_batches=accumulate, **trainer)
     trainer_ = L.Trainer(devices=devices, strategy=par3d, callbacks=[recorder], **kwargs)
-    lm = module(**TINY)
+    lm = module(**{**TINY, **(model or {})})
     data = PaddedData(side, own_labels=module is OwnLossLM, batch_size=GLOBAL_BATCH // par3d.layout.dp, **DATA)
     trainer_.fit(lm, data)
     steps = torch.tensor(recorder.losses).reshape(-1, accumulate).sum(1)

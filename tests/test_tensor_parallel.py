@@ -140,13 +140,34 @@ class SeqMLP(nn.Module):
         return self.fc_out(torch.relu(self.fc_in(x)))  # (B, T / tp, 8) after rowwise_seq
 
 
+class Experts(nn.Module):
+    """A mixture-of-experts block's experts as transformers writes them: 3-D weights, one slice per expert
+    (``gate_up_proj`` = [gate; up]), ``forward(hidden_states, top_k_index, top_k_weights)`` over flat tokens."""
+
+    def __init__(self, experts: int = 3, width: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * hidden, width) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(experts, width, hidden) * 0.3)
+
+    def forward(self, h: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = nn.functional.linear(h[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.down_proj[e])
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
 class StyleNet(nn.Module):
     """Exercises the styles: vocab- and width-parallel embeddings, replicated norm, colwise→rowwise pairs,
     rowwise_split_input on a replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, a
     sequence-parallel region entered by sequence_shard, its MLP gathering once (gather_sequence) and left through a
     colwise_seq_gather_output head, a packed
     [gate; up] projection feeding a rowwise one and another feeding a packed_rowwise one, a per-head norm whose
-    gradient is summed over the ranks, and a gathered head; 4.x names beside 5.x ones."""
+    gradient is summed over the ranks, top-2 of 3 experts cut along their hidden size (moe_tp_experts, its 3-D
+    weights split by entries naming them) behind a replicated router, and a gathered head; 4.x names beside 5.x
+    ones."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -173,6 +194,8 @@ class StyleNet(nn.Module):
         self.seq_mlp = SeqMLP()  # gathers the sequence once for its column-wise projection
         self.seq_norm2 = nn.LayerNorm(8)
         self.seq_head = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 3, bias=False)
+        self.experts = Experts()
         self.head = nn.Linear(8, 16)
 
     plan = {
@@ -201,6 +224,9 @@ class StyleNet(nn.Module):
         "seq_mlp.fc_out": "rowwise_seq",
         "seq_norm2": "sequence_parallel",
         "seq_head": "colwise_seq_gather_output",
+        "experts": "moe_tp_experts",
+        "experts.gate_up_proj": "packed_colwise",
+        "experts.down_proj": "rowwise",
         "head": "colwise_gather_output",
     }
 
@@ -219,6 +245,9 @@ class StyleNet(nn.Module):
         s = self.seq_enter(x)  # (B, T / tp, 8): this rank's sequence shard
         s = s + self.seq_mlp(self.seq_norm(s))  # (B, T / tp, 8)
         x = x + self.seq_head(self.seq_norm2(s))  # (B, T, 8): gathered
+        flat = x.reshape(-1, 8)
+        weights, chosen = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)  # the same on every rank
+        x = x + self.experts(flat, chosen, weights).view_as(x)  # (B, T, 8): each rank's part of every expert, summed
         return self.head(x)  # (B, T, 16)
 
 
@@ -314,7 +343,9 @@ def test_transformers_names_and_refusals():
     assert canonical("colwise_rep") == "colwise_gather_output"
     assert canonical("rowwise_rep") == "rowwise_split_input"
     assert canonical("gather") == "all_reduce"
-    with pytest.raises(ValueError, match="'moe_tp_experts' is tensor-parallel MoE experts: par3d parallelizes dense"):
+    with pytest.raises(ValueError, match="'grouped_gemm' is expert-parallel grouped GEMM weights, which par3d's"):
+        expand_plan(meta_gpt(), {"lm_head": "grouped_gemm"})
+    with pytest.raises(ValueError, match=r"'lm_head' has style 'moe_tp_experts'.*the plan names none of its param"):
         expand_plan(meta_gpt(), {"lm_head": "moe_tp_experts"})
 
 

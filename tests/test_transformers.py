@@ -82,6 +82,16 @@ def test_packed_gate_up_projection_at_tp2_then_resume_at_another_layout(pool4, t
         assert_parity(resumed, {**whole, "losses": whole["losses"][-len(resumed["losses"]) :]})
 
 
+def test_packed_gate_up_projection_pipelined_at_pp2_x_tp2(pool4):
+    """The last stage's ranks (2, 3) do not include rank 0, which alone read the initial weights: each rank takes
+    its interleaved shards of them all the same."""
+    got = pool4.run(
+        run_par3d, strategy=dict(pp=2, tp=2, tp_plan=dict(PACKED_PLAN)), devices=4, model=ARCHITECTURES["phi3"]
+    )[0]
+    assert {n.rsplit(".", 2)[-2] for n in got["split_over_tp"] if "gate_up_proj" in n} == {"gate_up_proj"}
+    assert_parity(got, reference("phi3"))
+
+
 # ---------------------------------------------------------------- pipelining an unmodified model
 
 
@@ -267,12 +277,12 @@ def test_accelerate_pipelines_an_unmodified_llama(pool4):
     assert_parity(got, accelerate_hf_loop(None))
 
 
-def test_unknown_and_moe_styles_in_a_transformers_plan_are_named():
+def test_unknown_and_expert_parallel_styles_in_a_transformers_plan_are_named():
     from lightning_par3d.parallel.tensor_parallel import expand_plan
 
     lm = module()
     lm.configure_model()
     with pytest.raises(ValueError, match="'colwise_sideways' is not a tensor-parallel style"):
         expand_plan(lm, {"model.layers.*.self_attn.q_proj": "colwise_sideways"})
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        expand_plan(lm, {"model.layers.*.mlp.gate_proj": "moe_tp_experts"})
+    with pytest.raises(ValueError, match="'ep_dispatch_experts' is expert-parallel token dispatch, which par3d's"):
+        expand_plan(lm, {"model.layers.*.mlp": "ep_dispatch_experts"})

@@ -27,7 +27,14 @@ transformers model's own plan works as it is:
                               of the activations (Qwen3's per-head ``q_norm``): their gradients are summed over the
                               tensor-parallel ranks.
 ``all_reduce``                the module's output is a partial sum on each rank: all-reduced. (4.x: ``gather``)
-``local_params``              the module runs on its parameters' local shards (attention sinks).
+``local_params``              the module runs on its parameters' local shards (attention sinks), which entries naming
+                              those parameters split.
+``moe_tp_experts``            a mixture-of-experts block's experts (3-D weights, one slice per expert): every rank
+                              runs every expert on its part of the expert's hidden size, from the whole (replicated)
+                              tokens and routing weights; the partial outputs are all-reduced, and the gradients of
+                              the tokens and routing weights summed in backward. The entries naming its parameters
+                              split them (``experts.gate_up_proj``: ``packed_colwise``, ``experts.down_proj``:
+                              ``rowwise``, as every transformers MoE plan says).
 ``replicate``                 parameters become replicated DTensors over the tp group; inputs and outputs stay local.
 ``rowwise_seq``               par3d: ``RowwiseParallel(output_layouts=Shard(1))``, reduce-scatter into sequence
                               shards, the entry to a sequence-parallel region.
@@ -41,7 +48,14 @@ transformers model's own plan works as it is:
                               sequence, once for all the column-wise projections inside it (attention, MLP).
 ============================  ==========================================================================================
 
-Expert-parallel (MoE) styles are refused with a clear error: :data:`REFUSED_STYLES`. ``sequence_parallel`` expects
+**Entries naming a parameter.** A transformers plan also names parameters that are not modules' weights (a
+mixture-of-experts block's 3-D ``experts.gate_up_proj``, attention sinks): such an entry splits that parameter
+(:data:`PARAMETER_STYLES`: ``colwise`` and ``packed_colwise`` its second-to-last dimension, the output features;
+``rowwise`` and ``packed_rowwise`` its last, the input features), and the module holding it needs a style that runs
+on local shards (:data:`OWNER_STYLES`).
+
+Expert-parallel styles (``ep_plan``'s) are refused in a tensor-parallel plan with a clear error:
+:data:`REFUSED_STYLES`. ``sequence_parallel`` expects
 sequence-sharded input, so use it between a ``rowwise_seq`` and a ``colwise_seq`` (the Megatron sequence-parallel
 pattern): norms and dropout then run on 1/tp of the tokens. ``Par3DConfig(sequence_parallel=True)`` derives such a
 plan from a plain one (:mod:`lightning_par3d.parallel.sequence_parallel`).
@@ -62,6 +76,7 @@ CANONICAL_STYLES = (
     "replicated_with_grad_allreduce",
     "all_reduce",
     "local_params",
+    "moe_tp_experts",
     "replicate",
     "rowwise_seq",
     "colwise_seq",
@@ -81,7 +96,6 @@ ALIASES = {
 STYLE_NAMES = CANONICAL_STYLES + tuple(ALIASES)
 """Every style string par3d accepts."""
 REFUSED_STYLES = {
-    "moe_tp_experts": "tensor-parallel MoE experts",
     "moe_identity_expert": "an MoE zero expert",
     "grouped_gemm": "expert-parallel grouped GEMM weights",
     "ep_dispatch_experts": "expert-parallel token dispatch",
@@ -91,6 +105,10 @@ REFUSED_STYLES = {
     "mla_kv_a_proj": "multi-head latent attention's KV projection",
 }
 """Styles of mixture-of-experts (and MLA) models, which par3d does not parallelize yet."""
+PARAMETER_STYLES = {"colwise": -2, "packed_colwise": -2, "rowwise": -1, "packed_rowwise": -1}
+"""Styles an entry naming a parameter may have, and the dimension of the parameter each splits (from its end)."""
+OWNER_STYLES = ("moe_tp_experts", "local_params")
+"""Styles of a module whose parameters its plan's entries split one by one: the module runs on their local shards."""
 
 SPLITTING_STYLES = (
     "colwise",
@@ -128,9 +146,9 @@ def unknown_style_message(pattern: str, style: object) -> str:
     """The error for a plan entry whose style par3d does not apply, listing the known ones."""
     if style in REFUSED_STYLES:
         return (
-            f"tp_plan[{pattern!r}]={style!r} is {REFUSED_STYLES[str(style)]}: par3d parallelizes dense models and does "
-            "not support mixture-of-experts styles yet. Remove the entry (the module then stays replicated), or use "
-            "a dense model."
+            f"tp_plan[{pattern!r}]={style!r} is {REFUSED_STYLES[str(style)]}, which par3d's tensor parallelism does "
+            "not apply. Remove the entry (the module then stays replicated); a mixture-of-experts block's experts "
+            "split over tp with 'moe_tp_experts'."
         )
     return (
         f"tp_plan[{pattern!r}]={style!r} is not a tensor-parallel style. Allowed: {', '.join(map(repr, STYLE_NAMES))}."

@@ -35,7 +35,7 @@ from lightning_par3d.checkpoint import dcp
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
-from lightning_par3d.engine import collectives, records, saving, steps, tokens
+from lightning_par3d.engine import collectives, records, router_loss, saving, steps, tokens
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.placement import Placement
 from lightning_par3d.parallel.compression import compression_of
@@ -164,6 +164,12 @@ class Par3DEngine:
                 install_loss(module, record.spec.loss, self.run_pipeline)
         if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
             self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
+        if self.layout.pp > 1:
+            router_loss.refuse_under_pipelining(module)
+        else:
+            placement = self.placement
+            dp_group = (lambda: placement.dp_group()) if placement.dp_size > 1 else (lambda: None)
+            router_loss.install(module, placement.dp_size, dp_group, lambda: self.accumulate_grad_batches)
         self.attach_metrics(module)
 
     @property

@@ -138,8 +138,8 @@ def _load_from_rank0(module: nn.Module, state: BuildState, strict: bool = True) 
     # strict=False under pipelining: each rank holds only its stages' entries of rank 0's full state dict.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict and not interleaved)
     set_model_state_dict(module, full, options=options)
-    for name, param in interleaved.items():
-        scatter_from_rank0(param, state.state_dict.get(name))
+    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    scatter_from_rank0(interleaved, state.state_dict, comm)
     # Non-persistent buffers go as one object: ranks may hold different ones (pipeline stages).
     box: list[object] = [state.buffers if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -9,9 +9,9 @@ each rank's shard by one offset and one size (a contiguous block), and so does t
 So every path that moves such a tensor through DCP goes through :func:`contiguous_copies`, which swaps each one in a
 state dict for a copy redistributed to plain ``Shard`` placements (contiguous blocks, which DCP describes
 correctly, so a checkpoint is the same at every layout), and :func:`copy_back`, which redistributes what was loaded
-into the original parameters. The rank-0 broadcast of the initial weights scatters them with ``distribute_tensor``
-(:func:`scatter_from_rank0`). FSDP2's own ``_StridedShard`` on the data-parallel dimension (FSDP over a tensor-parallel
-``Shard(0)``) is contiguous and left alone.
+into the original parameters. The rank-0 broadcast of the initial weights sends them whole and cuts them with
+``distribute_tensor`` (:func:`scatter_from_rank0`). FSDP2's own ``_StridedShard`` on the data-parallel dimension (FSDP
+over a tensor-parallel ``Shard(0)``) is contiguous and left alone.
 """
 
 from __future__ import annotations
@@ -79,17 +79,35 @@ def put_back(swapped: Swapped) -> None:
         container[key] = original
 
 
-def scatter_from_rank0(param: Any, full: torch.Tensor | None) -> None:
-    """Fills the interleaved DTensor ``param`` with its shards of rank 0's ``full`` tensor (``distribute_tensor``
-    from rank 0, which knows the strided layout). Every rank of the parameter's mesh must call it; ``full`` matters
-    on rank 0 only."""
+def scatter_from_rank0(interleaved: dict[str, Any], full: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fills each interleaved DTensor of ``interleaved`` (name → parameter) with its shards of rank 0's ``full``
+    state dict (which matters on rank 0 only). A collective of the whole world: every rank calls it, with the
+    interleaved parameters it holds, which differ between pipeline stages. ``device``: where the broadcast runs
+    (the accelerator under NCCL; the parameters may be offloaded to the CPU).
+
+    The names every rank holds are gathered; rank 0 broadcasts each tensor in turn, and each rank that holds it cuts
+    its own shards with ``distribute_tensor`` (no further communication: it knows the strided layout). A stage's
+    mesh need not contain rank 0, so a scatter over the parameter's own mesh from its first rank would send what
+    that rank never read. One tensor at a time is whole on each rank (a layer's experts, for a mixture of experts)."""
+    import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    source = full if full is not None else torch.empty(param.shape, dtype=param.dtype)
-    source = source.to(device=param.to_local().device, dtype=param.dtype)
-    with torch.no_grad():
-        shards = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
-        param.to_local().copy_(shards.to_local())
+    here = {name: (tuple(param.shape), param.dtype) for name, param in interleaved.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, here)
+    wanted = {name: meta for held in everyone for name, meta in held.items()}
+    for name in sorted(wanted):
+        shape, dtype = wanted[name]
+        if dist.get_rank() == 0:
+            whole = full[name].to(device=device, dtype=dtype).contiguous()
+        else:
+            whole = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(whole, src=0)
+        param = interleaved.get(name)
+        if param is not None:
+            with torch.no_grad():
+                shards = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shards.to_local())  # (to the CPU, where offloaded)
 
 
 def fsdp_shard_placement(param: Any) -> Any:

@@ -8,13 +8,22 @@ for one name segment, and a pattern matches the trailing segments of a module's 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from lightning_par3d.config.tp_vocabulary import SPLITTING_STYLES, STYLE_NAMES, canonical, unknown_style_message
+from lightning_par3d.config.tp_vocabulary import (
+    OWNER_STYLES,
+    PACK,
+    PARAMETER_STYLES,
+    SPLITTING_STYLES,
+    STYLE_NAMES,
+    canonical,
+    unknown_style_message,
+)
 from lightning_par3d.parallel.ties import tied_groups
 from lightning_par3d.parallel.tp_styles import build_style, split_size
 from lightning_par3d.utils.patterns import is_transformers_model, matches
@@ -22,6 +31,8 @@ from lightning_par3d.utils.torch_private import dtensor_local
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
 
 # Attribute names under which models keep their attention head counts; tp must divide each of them.
 HEAD_COUNT_ATTRS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head", "n_kv_heads")
@@ -49,13 +60,20 @@ def find_plan(module: nn.Module, override: Mapping[str, str] | str | None) -> di
     return dict(plan)
 
 
+class ModelsOwnPlan(dict[str, str]):
+    """The plan a transformers model declares for itself (``tp_plan="auto"``). It is written for every config of
+    its architecture, so an entry for a kind of module this config lacks (the dense MLP entries of an all-sparse
+    mixture-of-experts config) is skipped, where a user's own plan must match (a typo there is caught)."""
+
+
 def transformers_plan(module: nn.Module) -> dict[str, str]:
     """The tensor-parallel plan of the outermost Hugging Face transformers model in ``module`` (its ``tp_plan``:
-    the config's ``base_model_tp_plan`` plus the head's rules), with its keys prefixed by where it lives."""
+    the config's ``base_model_tp_plan`` plus the head's rules), with its keys prefixed by where it lives: a
+    :class:`ModelsOwnPlan`."""
     for name, sub in module.named_modules():
         plan = getattr(sub, "tp_plan", None) if is_transformers_model(sub) else None
         if isinstance(plan, Mapping) and plan:
-            return {f"{name}.{key}" if name else key: style for key, style in plan.items()}
+            return ModelsOwnPlan({f"{name}.{key}" if name else key: style for key, style in plan.items()})
     raise ValueError(
         f"tp_plan='auto' takes the plan of a Hugging Face transformers model, but {type(module).__name__} holds none "
         "with a tp_plan. Give the plan as a dict (module-name pattern → style) instead."
@@ -63,21 +81,31 @@ def transformers_plan(module: nn.Module) -> dict[str, str]:
 
 
 def expand_plan(module: nn.Module, plan: Mapping[str, str], allow_missing: bool = False) -> dict[str, str]:
-    """Maps each module full name matched by a pattern of ``plan`` to its style.
+    """Maps each module full name matched by a pattern of ``plan`` to its style, and each parameter full name
+    matched by a pattern that matches no module (``experts.gate_up_proj``) to its own (see
+    :func:`parameter_entries`).
 
-    Raises ``ValueError`` for an unknown style, a pattern that matches no module (unless ``allow_missing``: a
-    pipeline stage holds only part of a plan checked against the whole model), and a module matched by two
-    patterns with different styles.
+    Raises ``ValueError`` for an unknown style, a pattern that matches nothing (unless ``allow_missing``: a
+    pipeline stage holds only part of a plan checked against the whole model; or the plan is the model's own,
+    :class:`ModelsOwnPlan`, whose entries for modules this config lacks are skipped, said at debug level), a module
+    matched by two patterns with different styles, and a parameter entry whose style splits no parameter or whose
+    module's style does not run on local shards.
     """
     names = [name for name, _ in module.named_modules() if name]
+    params = [
+        f"{name}.{p}" for name, sub in module.named_modules() if name for p, _ in sub.named_parameters(recurse=False)
+    ]
     expanded: dict[str, str] = {}
     problems: list[str] = []
+    skipped: list[str] = []
     for pattern, style in plan.items():
         if style not in STYLE_NAMES:
             problems.append(unknown_style_message(pattern, style))
             continue
-        hits = [name for name in names if matches(pattern, name)]
-        if not hits and not allow_missing:
+        hits = [name for name in names if matches(pattern, name)] or [p for p in params if matches(pattern, p)]
+        if not hits and isinstance(plan, ModelsOwnPlan):
+            skipped.append(pattern)
+        elif not hits and not allow_missing:
             sample = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
             problems.append(
                 f"tp_plan pattern {pattern!r} matches no module of {type(module).__name__}. "
@@ -87,9 +115,50 @@ def expand_plan(module: nn.Module, plan: Mapping[str, str], allow_missing: bool 
             if canonical(expanded.get(name, style)) != canonical(style):
                 problems.append(f"module {name!r} is matched with two styles, {expanded[name]!r} and {style!r}.")
             expanded[name] = style
+    problems += _parameter_entry_problems(expanded, set(names))
     if problems:
         raise ValueError("Invalid tensor-parallel plan:\n" + "\n".join(f"  - {p}" for p in problems))
+    if skipped:
+        log.debug("The model's own tensor-parallel plan: no module of this config matches %s; skipped.", skipped)
     return expanded
+
+
+def parameter_entries(fqn_styles: Mapping[str, str], modules: Mapping[str, nn.Module]) -> dict[str, dict[str, str]]:
+    """The entries of an expanded plan that name parameters, by the full name of the module holding them: owner →
+    {parameter name → style}."""
+    owned: dict[str, dict[str, str]] = {}
+    for name, style in fqn_styles.items():
+        if name not in modules:
+            owner, _, param = name.rpartition(".")
+            owned.setdefault(owner, {})[param] = canonical(style)
+    return owned
+
+
+def _parameter_entry_problems(expanded: Mapping[str, str], modules: set[str]) -> list[str]:
+    problems = []
+    owners = {name.rpartition(".")[0] for name in expanded if name not in modules}
+    for name, style in expanded.items():
+        if name in modules:
+            if canonical(style) == "moe_tp_experts" and name not in owners:
+                problems.append(
+                    f"{name!r} has style 'moe_tp_experts', which runs a mixture-of-experts block's experts on the "
+                    "shards of its 3-D weights that entries naming them split ('experts.gate_up_proj': "
+                    "'packed_colwise', 'experts.down_proj': 'rowwise'); the plan names none of its parameters."
+                )
+            continue
+        owner = name.rpartition(".")[0]
+        if canonical(style) not in PARAMETER_STYLES:
+            problems.append(
+                f"{name!r} is a parameter; an entry naming a parameter splits it with one of "
+                f"{', '.join(map(repr, PARAMETER_STYLES))}, not {style!r}."
+            )
+        elif canonical(expanded.get(owner, "")) not in OWNER_STYLES:
+            problems.append(
+                f"the plan splits the parameter {name!r}, but its module {owner!r} has "
+                f"{repr(expanded[owner]) if owner in expanded else 'no entry'}: give it a style that runs on local "
+                f"shards ({' or '.join(map(repr, OWNER_STYLES))})."
+            )
+    return problems
 
 
 def check_divisibility(module: nn.Module, fqn_styles: Mapping[str, str], tp: int) -> None:
@@ -97,6 +166,9 @@ def check_divisibility(module: nn.Module, fqn_styles: Mapping[str, str], tp: int
     problems: list[str] = []
     modules = dict(module.named_modules())
     for name, style in fqn_styles.items():
+        if name not in modules:  # an entry naming a parameter
+            problems += _parameter_split_problems(name, module.get_parameter(name), canonical(style), tp)
+            continue
         sub = modules[name]
         if style in SPLITTING_STYLES:
             split = split_size(style, sub)
@@ -117,6 +189,17 @@ def check_divisibility(module: nn.Module, fqn_styles: Mapping[str, str], tp: int
             problems += _head_count_problems(owner, where or type(sub).__name__, tp)
     if problems:
         raise ValueError("Tensor parallelism cannot split this model:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _parameter_split_problems(name: str, param: torch.Tensor, style: str, tp: int) -> list[str]:
+    dim = PARAMETER_STYLES[style]
+    if param.dim() < -dim:
+        return [f"{name!r} has {param.dim()} dimension(s); style {style!r} splits its dimension {dim}."]
+    size = param.shape[dim] // (PACK if style.startswith("packed") else 1)
+    if size % tp:
+        return [f"tp={tp} does not divide {name} dimension {dim} ({size}) that style {style!r} splits. "
+                f"Choose tp among {_divisors(size)}."]  # fmt: skip
+    return []
 
 
 def _head_count_problems(owner: Any, where: str, tp: int) -> list[str]:
@@ -145,7 +228,12 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, fqn_styles: Ma
     if not fqn_styles or tp_mesh.size() == 1:
         return
     modules = dict(module.named_modules())
-    plan = {name: build_style(style, modules[name]) for name, style in fqn_styles.items()}
+    owned = parameter_entries(fqn_styles, modules)
+    plan = {
+        name: build_style(style, modules[name], owned.get(name, {}))
+        for name, style in fqn_styles.items()
+        if name in modules
+    }
     parallelize_module(module, tp_mesh, plan)
 
 

@@ -11,6 +11,9 @@ counterpart, and run the module on each rank's local shards instead:
   activations; their gradients are summed over the tensor-parallel ranks.
 * :class:`OutputAllReduce` (``all_reduce``): the output is each rank's partial sum: all-reduced.
 * :class:`LocalParams` (``local_params``): the module runs on its parameters' local shards.
+* :class:`MoeExperts` (``moe_tp_experts``): a mixture-of-experts block's experts, every expert split over the ranks
+  along its hidden size (Megatron's expert tensor parallelism): each rank runs every routed token through its part
+  of each expert; the partial outputs are summed.
 
 Parameters stay ``nn.Parameter`` objects under their own names (DTensors where they are split), so state dicts,
 optimizers, FSDP2 and checkpoints treat them as any other.
@@ -152,14 +155,69 @@ class OutputAllReduce(ParallelStyle):
         return module
 
 
+def _split_parameters(module: nn.Module, params: dict[str, str], device_mesh: DeviceMesh) -> None:
+    """Each of ``module``'s parameters named in ``params`` (name → style) as a DTensor split as its style says
+    (:data:`~lightning_par3d.config.tp_vocabulary.PARAMETER_STYLES`: a packed one in interleaved pieces)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_par3d.config.tp_vocabulary import PACK, PARAMETER_STYLES
+
+    for name, style in params.items():
+        param = module.get_parameter(name)
+        dim = param.dim() + PARAMETER_STYLES[style]
+        placement = strided_shard()(dim, split_factor=PACK) if style.startswith("packed") else Shard(dim)
+        shard = distribute_tensor(param, device_mesh, [placement], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+
+
 class LocalParams(ParallelStyle):
-    """The module computes with its parameters' local shards (their own entries of the plan split them)."""
+    """The module computes with its parameters' local shards (``params``: the plan's entries that split them)."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        super().__init__()
+        self.params = params
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _split_parameters(module, self.params, device_mesh)
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def forward(*args: Any, **kwargs: Any) -> Any:
                 with _parameters_as(module, _local):
                     return original(*args, **kwargs)
+
+            return forward
+
+        _replace_forward(module, make)
+        return module
+
+
+class MoeExperts(ParallelStyle):
+    """A mixture-of-experts block's experts (transformers' ``*Experts``: ``forward(hidden_states, top_k_index,
+    top_k_weights)`` over 3-D weights, one slice per expert), each expert split over the ranks along its hidden
+    size (``params``: the plan's entries for its weights, ``gate_up_proj`` packed column-wise, ``down_proj``
+    row-wise).
+
+    Every rank holds the whole routed batch (the tokens and the router's choices are replicated over tp) and runs
+    each token through its part of its experts: the outputs are partial sums, all-reduced in forward. The tokens and
+    the routing weights fed every rank's partial result, so their gradients are summed over the ranks in backward;
+    the router itself stays replicated, and each rank computes its gradient whole."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _split_parameters(module, self.params, device_mesh)
+        group = device_mesh.get_group()
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+                hidden_states = _CopyToRanks.apply(_local(hidden_states), group)
+                top_k_weights = _CopyToRanks.apply(_local(top_k_weights), group)
+                with _parameters_as(module, _local):
+                    out = original(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+                return _SumOverRanks.apply(out, group)
 
             return forward
 

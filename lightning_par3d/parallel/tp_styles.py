@@ -37,8 +37,9 @@ def split_size(style: str, module: nn.Module) -> tuple[str, int] | None:
     return None
 
 
-def build_style(style: str, module: nn.Module) -> ParallelStyle:
-    """The torch ``ParallelStyle`` for ``style`` on ``module``."""
+def build_style(style: str, module: nn.Module, params: dict[str, str] | None = None) -> ParallelStyle:
+    """The torch ``ParallelStyle`` for ``style`` on ``module``; ``params``: the plan's entries naming parameters of
+    ``module`` (parameter name → style), for the styles that run on local shards."""
     from torch import nn
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -66,7 +67,8 @@ def build_style(style: str, module: nn.Module) -> ParallelStyle:
         "packed_rowwise": lambda: tp_local_styles.PackedLinear(dim=1, pack=PACK),
         "replicated_with_grad_allreduce": tp_local_styles.GradAllReduce,
         "all_reduce": tp_local_styles.OutputAllReduce,
-        "local_params": tp_local_styles.LocalParams,
+        "local_params": lambda: tp_local_styles.LocalParams(params or {}),
+        "moe_tp_experts": lambda: tp_local_styles.MoeExperts(params or {}),
         "replicate": _replicate_style,
         "sequence_shard": tp_sequence_styles.SequenceShard,
         "gather_sequence": tp_sequence_styles.GatherSequence,

@@ -60,6 +60,7 @@ STYLE_COLLECTIVES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "replicated_with_grad_allreduce": (("step", "all_reduce", "params"),),
     "sequence_parallel": (),
     "local_params": (),
+    "moe_tp_experts": (("forward", "all_reduce", "output"), ("backward", "all_reduce", "input")),
     "replicate": (),
 }
 """The tensor-parallel collectives each style issues per microbatch, from the semantics of torch's styles:
@@ -76,6 +77,8 @@ STYLE_COLLECTIVES: dict[str, tuple[tuple[str, str, str], ...]] = {
 * ``gather_sequence``: as ``colwise_seq``'s input side; ``colwise_seq_gather_output``: that, and the output
   all-gathered as ``colwise_gather_output``'s; ``sequence_shard``: no forward collective, the gradient all-gathered;
 * ``replicated_with_grad_allreduce``: one all-reduce of the module's parameter gradients per step;
+* ``moe_tp_experts``: the experts' partial outputs all-reduced in forward, the tokens' gradient in backward (the
+  routing weights' too, ``top_k`` values a token, left out);
 * ``sequence_parallel``, ``local_params``, ``replicate``: none of their own.
 
 A style not listed costs one all-reduce of its output in forward and one of its input in backward."""

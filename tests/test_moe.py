@@ -1,0 +1,160 @@
+"""Mixture-of-experts transformers models, unchanged, with their own tensor-parallel plans: the experts' 3-D weights
+split over tp by the plan's entries naming them (``experts.gate_up_proj``: ``packed_colwise``, ``experts.down_proj``:
+``rowwise``) under ``moe_tp_experts``; the model's own plan applied where its config lacks some of the modules it
+names (the dense MLP entries of an all-sparse config), a user's own plan checked strictly. Parity with one process on
+the samples each rank read (``tests/hf_runs.py``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests import padded_runs
+from tests.conftest import assert_parity
+from tests.hf_runs import module, run_par3d, run_reference
+
+MOE = {
+    # top-2 of 4 experts, each of hidden 16, in every layer; the router's probabilities renormalised over the top-k
+    "qwen3_moe": dict(
+        architecture="qwen3_moe",
+        config_overrides=dict(
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": dict(architecture="mixtral", config_overrides=dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a shared expert beside the routed ones, with its own sigmoid gate (the plan leaves it whole on every rank)
+    "qwen2_moe": dict(
+        architecture="qwen2_moe",
+        config_overrides=dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+        ),
+    ),
+}
+EXPERT_WEIGHTS = {"gate_up_proj", "down_proj"}
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    return run_reference(MOE[name])
+
+
+def _experts_split(got: dict) -> set[str]:
+    return {name.rsplit(".", 1)[1] for name in got["split_over_tp"] if ".experts." in name}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_the_models_own_plan_at_dp_shard2_x_tp2(pool4, name):
+    got = pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2, tp_plan="auto"), devices=4, model=MOE[name])[0]
+    assert _experts_split(got) == EXPERT_WEIGHTS  # every expert cut along its hidden size, not left whole
+    assert_parity(got, reference(name))
+
+
+def test_pipelined_with_the_models_own_plan_at_pp2_x_tp2(pool4):
+    """Each stage applies the plan's entries for the experts it holds, and takes its interleaved shards of rank 0's
+    initial weights (the last stage's ranks do not include rank 0)."""
+    got = pool4.run(run_par3d, strategy=dict(pp=2, tp=2, tp_plan="auto"), devices=4, model=MOE["qwen3_moe"])[0]
+    assert _experts_split(got) == EXPERT_WEIGHTS
+    assert_parity(got, reference("qwen3_moe"))
+
+
+def _built(name: str):
+    lm = module(MOE[name])
+    lm.configure_model()
+    return lm
+
+
+def test_the_models_own_plan_skips_what_this_config_lacks_and_a_users_own_plan_does_not(caplog):
+    """The Qwen3-MoE plan names dense MLP modules (``mlp.gate_proj`` …), which an all-sparse config does not have:
+    skipped (at debug level) in the model's own plan; the same entries in a user's dict are refused, naming them."""
+    import logging
+
+    from lightning_par3d.parallel.tensor_parallel import expand_plan, transformers_plan
+
+    lm = _built("qwen3_moe")
+    own = transformers_plan(lm)
+    with caplog.at_level(logging.DEBUG, logger="lightning_par3d.parallel.tensor_parallel"):
+        expanded = expand_plan(lm, own)
+    assert expanded["model.model.layers.1.mlp.experts"] == "moe_tp_experts"
+    assert expanded["model.model.layers.1.mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert expanded["model.model.layers.0.mlp.experts.down_proj"] == "rowwise"
+    assert not any(".mlp.gate_proj" in name for name in expanded)
+    assert "model.model.layers.*.mlp.gate_proj" in caplog.text
+    with pytest.raises(ValueError, match=r"'model.model.layers.\*.mlp.gate_proj' matches no module"):
+        expand_plan(lm, dict(own))
+
+
+def test_parameter_entries_need_a_splitting_style_and_a_module_that_runs_on_local_shards():
+    from lightning_par3d.parallel.tensor_parallel import expand_plan
+
+    lm = _built("qwen3_moe")
+    experts = "model.layers.*.mlp.experts"
+    with pytest.raises(ValueError, match=r"its module 'model.model.layers.0.mlp.experts' has no entry: give it a"):
+        expand_plan(lm, {f"{experts}.gate_up_proj": "packed_colwise"})
+    with pytest.raises(ValueError, match=r"'model.model.layers.0.mlp.experts' has 'colwise': give it a style that"):
+        expand_plan(lm, {f"{experts}.gate_up_proj": "packed_colwise", experts: "colwise"})
+    with pytest.raises(ValueError, match=r"an entry naming a parameter splits it with one of .*, not 'sequence_par"):
+        expand_plan(lm, {f"{experts}.gate_up_proj": "sequence_parallel", experts: "moe_tp_experts"})
+
+
+def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
+    from lightning_par3d import Par3DConfig
+    from lightning_par3d.compose import checked_plan
+
+    lm = _built("qwen3_moe")  # moe_intermediate_size 16: the packed gate_up_proj splits 16 per component
+    with pytest.raises(ValueError, match=r"tp=3 does not divide model.model.layers.0.mlp.experts.gate_up_proj "
+                                         r"dimension -2 \(16\) that style 'packed_colwise' splits"):  # fmt: skip
+        checked_plan(lm, Par3DConfig(tp=3, tp_plan="auto"), 3)
+
+
+# ---------------------------------------------------------------- the router's load-balancing loss
+
+ROUTER_LOSS = {
+    "architecture": "qwen3_moe",
+    "config_overrides": {**MOE["qwen3_moe"]["config_overrides"], "output_router_logits": True,
+                         "router_aux_loss_coef": 0.1},
+}  # fmt: skip
+"""Qwen3-MoE adding its router's load-balancing loss (coefficient 0.1) to its own ``labels=`` loss."""
+
+
+@functools.cache
+def router_loss_reference() -> dict:
+    return padded_runs.run_reference("right", padded_runs.OwnLossLM, model=ROUTER_LOSS)
+
+
+@pytest.mark.parametrize(
+    "pool, strategy",
+    [(2, dict(dp_shard=2)), (4, dict(dp_shard=2, tp=2, tp_plan="auto"))],
+    indirect=["pool"],
+    ids=["dp_shard2", "dp_shard2xtp2"],
+)
+def test_the_router_loss_is_the_global_batchs(pool, strategy):
+    """The load-balancing loss is a product of two means over the global batch (padded rows masked out): each
+    data-parallel rank's routing counts are summed before its term is taken, so the run keeps the single-process
+    trajectory. Computed on each rank's own rows (par3d before), it was 1.5e-3 off at the first step."""
+    run = dict(strategy=strategy, devices=pool.world_size, side="right", module=padded_runs.OwnLossLM)
+    got = pool.run(padded_runs.run_par3d, model=ROUTER_LOSS, **run)[0]
+    assert_parity(got, router_loss_reference())
+
+
+def test_the_router_loss_is_refused_where_the_global_batch_is_more_than_one_forward(pool2):
+    """With accumulation the first batch's backward runs before the others are routed; under pp the stages never
+    run the model's forward, where the loss is added: both refused, naming the fix, on every rank."""
+    from tests.harness import RankError
+
+    for strategy, accumulate, lm, message in (
+        (dict(dp_shard=2), 2, padded_runs.OwnLossLM, "accumulated batches par3d cannot route"),
+        (dict(pp=2), 1, padded_runs.PaddedLM, "under pp > 1 the loss would be left out"),
+    ):
+        with pytest.raises(RankError, match=message):
+            run = dict(strategy=strategy, devices=2, side="right", module=lm)
+            pool2.run(padded_runs.run_par3d, accumulate=accumulate, model=ROUTER_LOSS, max_steps=1, **run)
