@@ -158,3 +158,69 @@ def test_the_router_loss_is_refused_where_the_global_batch_is_more_than_one_forw
         with pytest.raises(RankError, match=message):
             run = dict(strategy=strategy, devices=2, side="right", module=lm)
             pool2.run(padded_runs.run_par3d, accumulate=accumulate, model=ROUTER_LOSS, max_steps=1, **run)
+
+
+# ---------------------------------------------------------------- other front-ends, checkpoints, export
+
+
+def test_under_accelerate_and_fabric(pool4):
+    """The README's Accelerate loop at dp_shard=2 × tp=2 and the same script under Fabric at pp=2 × tp=2, with the
+    model's own plan, against the loop on one process."""
+    from tests.hf_runs import accelerate_hf_loop, fabric_hf_loop
+
+    model = MOE["qwen3_moe"]
+    reference_loop = accelerate_hf_loop(None, model=model)
+    got = pool4.run(accelerate_hf_loop, strategy=dict(dp_shard=2, tp=2), model=model)[0]
+    assert_parity(got, reference_loop)
+    got = pool4.run(fabric_hf_loop, strategy=dict(pp=2, tp=2), model=model)[0]
+    assert_parity(got, reference_loop)
+
+
+def test_a_checkpoint_resumes_at_another_layout_and_the_export_loads_in_transformers(pool4, tmp_path):
+    """Saved at dp_shard=2 × tp=2 (each rank holding its interleaved part of every expert), resumed at
+    pp=2 × dp_shard=2 and back, on the single-process trajectory; ``SavePretrained`` of a pp=2 × tp=2 run writes the
+    experts as one 3-D tensor each, which ``AutoModelForCausalLM.from_pretrained`` loads into the trained weights,
+    whose logits are par3d's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.constants import ONE_BATCH_EPOCHS
+
+    model = MOE["qwen3_moe"]
+    split = dict(dp_shard=2, tp=2, tp_plan="auto")
+    whole = run_reference(model, data=ONE_BATCH_EPOCHS)
+    for before, after in ((split, dict(pp=2, dp_shard=2)), (dict(pp=2, dp_shard=2), split)):
+        path = str(tmp_path / f"{len(before)}.ckpt")
+        run = dict(devices=4, model=model, data=ONE_BATCH_EPOCHS)
+        pool4.run(run_par3d, strategy=before, max_steps=3, checkpoint_to=path, **run)
+        resumed = pool4.run(run_par3d, strategy=after, resume_from=path, **run)[0]
+        assert_parity(resumed, {**whole, "losses": whole["losses"][-len(resumed["losses"]) :]})
+
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(7))
+    export = tmp_path / "exported"
+    piped = dict(pp=2, tp=2, tp_plan="auto")  # (no dp: every rank predicts the whole batch)
+    trained = pool4.run(run_par3d, strategy=piped, devices=4, model=model, export_to=str(export), logits_of=ids)[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(export)
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, trained["params"][f"model.{name}"]), name
+    with torch.no_grad():
+        logits = reloaded(ids).logits
+    torch.testing.assert_close(trained["logits"], logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
+
+
+def test_a_per_expert_pretrained_checkpoint_is_read_by_rank0_and_refused_by_name_for_the_shards(pool4, tmp_path):
+    """transformers' ``save_pretrained`` writes each expert apart (``experts.0.gate_proj.weight`` …), and its
+    ``from_pretrained`` fuses them: with ``init="rank0"`` rank 0 loads it so and the weights are broadcast, on the
+    single-process trajectory from the same checkpoint; ``init="pretrained"`` (each rank reading its own slices of
+    fused experts) is refused on every rank, naming the way that works."""
+    from tests.harness import RankError
+    from tests.hf_runs import save_tiny_pretrained
+
+    source = save_tiny_pretrained(tmp_path / "pretrained", MOE["qwen3_moe"])
+    model = {"pretrained_path": str(source)}
+    got = pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2, tp_plan="auto"), devices=4, model=model)[0]
+    assert_parity(got, run_reference(model))
+    with pytest.raises(RankError, match=r"stores each expert apart .* Use init='rank0'") as info:
+        pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2, tp_plan="auto", init="pretrained"), devices=4,
+                  model=model, max_steps=1)  # fmt: skip
+    assert info.value.all_ranks_failed

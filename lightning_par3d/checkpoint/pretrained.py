@@ -131,11 +131,36 @@ def _problems(path: str, wanted: dict[str, Any], saved: dict[str, Any]) -> list[
         if key in saved and tuple(saved[key].size) != tuple(value.shape)
     ]
     problems = []
+    per_expert = [
+        key for key in missing if key.endswith(_FUSED_EXPERTS) and f"{key.rsplit('.', 1)[0]}.0." in _prefixes(saved)
+    ]
+    if per_expert:
+        problems.append(
+            f"{path} stores each expert apart (e.g. {per_expert[0].rsplit('.', 1)[0]}.0.*.weight), as transformers' "
+            "save_pretrained writes mixture-of-experts models, where the model holds them fused "
+            f"({per_expert[0]}): par3d does not read per-expert files into its shards yet. Use init='rank0' (rank 0 "
+            "loads the model with from_pretrained, which fuses them, and the weights are broadcast), or a directory "
+            "par3d's SavePretrained or `par3d export-hf` wrote (fused experts)."
+        )
+        missing = [key for key in missing if key not in per_expert]
     if missing:
         problems.append(f"{len(missing)} weights of the model are not in {path} (e.g. {', '.join(missing[:4])}).")
     if shapes:
         problems.append(f"{len(shapes)} weights have other shapes in {path} (e.g. {'; '.join(shapes[:3])}).")
     return problems
+
+
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+"""A transformers mixture-of-experts model's fused expert weights (one 3-D tensor per layer)."""
+
+
+def _prefixes(saved: dict[str, Any]) -> set[str]:
+    """Every dotted prefix of the saved keys, with its trailing dot (``a.b.`` of ``a.b.c``)."""
+    found = set()
+    for key in saved:
+        parts = key.split(".")
+        found.update(".".join(parts[:i]) + "." for i in range(1, len(parts)))
+    return found
 
 
 def _agree_on_problems(problems: list[str]) -> None:
