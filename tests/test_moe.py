@@ -208,19 +208,31 @@ def test_a_checkpoint_resumes_at_another_layout_and_the_export_loads_in_transfor
     torch.testing.assert_close(trained["logits"], logits, rtol=1e-5, atol=1e-5 * logits.abs().max().item())
 
 
-def test_a_per_expert_pretrained_checkpoint_is_read_by_rank0_and_refused_by_name_for_the_shards(pool4, tmp_path):
-    """transformers' ``save_pretrained`` writes each expert apart (``experts.0.gate_proj.weight`` …), and its
-    ``from_pretrained`` fuses them: with ``init="rank0"`` rank 0 loads it so and the weights are broadcast, on the
-    single-process trajectory from the same checkpoint; ``init="pretrained"`` (each rank reading its own slices of
-    fused experts) is refused on every rank, naming the way that works."""
-    from tests.harness import RankError
+@pytest.mark.parametrize(
+    "name, strategy",
+    [("qwen3_moe", dict(dp_shard=2, tp=2)), ("mixtral", dict(pp=2, tp=2))],
+    ids=["qwen3_moe-dp_shard2xtp2", "mixtral-pp2xtp2"],
+)
+def test_a_per_expert_pretrained_checkpoint_is_read_into_each_ranks_expert_shards(pool4, tmp_path, name, strategy):
+    """transformers' ``save_pretrained`` writes each expert apart (``experts.0.gate_proj.weight``; Mixtral's
+    ``block_sparse_moe.experts.0.w1.weight``) and its ``from_pretrained`` fuses them: ``init="pretrained"`` reads,
+    by the model's own conversion mapping, each rank's part of every fused expert tensor from those files (no rank
+    builds the model), and trains on the trajectory of one process that starts from ``from_pretrained``; with
+    ``init="rank0"`` rank 0 loads it with ``from_pretrained`` and broadcasts it, the same."""
+    from safetensors import safe_open
+
     from tests.hf_runs import save_tiny_pretrained
 
-    source = save_tiny_pretrained(tmp_path / "pretrained", MOE["qwen3_moe"])
+    source = save_tiny_pretrained(tmp_path / "pretrained", MOE[name])
+    saved = set()
+    for file in source.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            saved.update(handle.keys())
+    assert any(".experts.0." in key for key in saved) and not any(key.endswith("gate_up_proj") for key in saved)
     model = {"pretrained_path": str(source)}
-    got = pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2, tp_plan="auto"), devices=4, model=model)[0]
-    assert_parity(got, run_reference(model))
-    with pytest.raises(RankError, match=r"stores each expert apart .* Use init='rank0'") as info:
-        pool4.run(run_par3d, strategy=dict(dp_shard=2, tp=2, tp_plan="auto", init="pretrained"), devices=4,
-                  model=model, max_steps=1)  # fmt: skip
-    assert info.value.all_ranks_failed
+    reference_run = run_reference(model)
+    for init in ("pretrained", "rank0"):
+        ranks = pool4.run(run_par3d, strategy=dict(tp_plan="auto", init=init, **strategy), devices=4, model=model)
+        assert_parity(ranks[0], reference_run)
+        if init == "pretrained":
+            assert all(rank["real_bytes_built"] == 0 for rank in ranks), "a rank built real parameters"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par3d.checkpoint.expert_files import per_expert_sources, read_fused, renamed_in_files
 from lightning_par3d.checkpoint.peft_files import (
     adapter_keys,
     adapters_of,
@@ -104,10 +105,21 @@ def _read_slices(module: nn.Module, path: str, state: dict[str, Any], names: dic
     reader = HuggingFaceStorageReader(path)
     saved = reader.read_metadata().state_dict_metadata
     wanted = {key: state[name] for key, name in names.items() if key in saved or key not in tied}
-    _agree_on_problems(_problems(path, wanted, saved))
-    swapped = contiguous_copies(wanted)  # packed projections' interleaved shards, as contiguous blocks
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(path))
+    missing = [key for key in wanted if key not in saved]
+    hf_model = _transformers_model(module)[1]
+    # A mixture of experts saved expert by expert (fused as the model holds them), and module names the model's
+    # conversion mapping renames (Mixtral's block_sparse_moe): what from_pretrained reads, read here too.
+    experts = per_expert_sources(hf_model, missing, set(saved)) if missing else {}
+    renamed = renamed_in_files(hf_model, [key for key in missing if key not in experts], set(saved))
+    _agree_on_problems(
+        _problems(path, {k: v for k, v in wanted.items() if k not in experts and k not in renamed}, saved)
+    )
+    direct = {renamed.get(key, key): value for key, value in wanted.items() if key not in experts}
+    swapped = contiguous_copies(direct)  # packed projections' interleaved shards, as contiguous blocks
+    dcp.load(direct, storage_reader=HuggingFaceStorageReader(path))
     copy_back(swapped)
+    if experts:
+        read_fused(path, wanted, experts)
     set_model_state_dict(
         module, {names[key]: value for key, value in wanted.items()}, options=StateDictOptions(strict=False)
     )
@@ -136,11 +148,11 @@ def _problems(path: str, wanted: dict[str, Any], saved: dict[str, Any]) -> list[
     ]
     if per_expert:
         problems.append(
-            f"{path} stores each expert apart (e.g. {per_expert[0].rsplit('.', 1)[0]}.0.*.weight), as transformers' "
-            "save_pretrained writes mixture-of-experts models, where the model holds them fused "
-            f"({per_expert[0]}): par3d does not read per-expert files into its shards yet. Use init='rank0' (rank 0 "
-            "loads the model with from_pretrained, which fuses them, and the weights are broadcast), or a directory "
-            "par3d's SavePretrained or `par3d export-hf` wrote (fused experts)."
+            f"{path} stores each expert apart (e.g. {per_expert[0].rsplit('.', 1)[0]}.0.*.weight), where the model "
+            f"holds them fused ({per_expert[0]}), and the model's conversion mapping fuses them otherwise than par3d "
+            "reads (experts stacked on dim 0, components side by side on dim 1). Use init='rank0' (rank 0 loads the "
+            "model with from_pretrained, which fuses them, and the weights are broadcast), or a directory par3d's "
+            "SavePretrained or `par3d export-hf` wrote (fused experts)."
         )
         missing = [key for key in missing if key not in per_expert]
     if missing:
@@ -156,7 +168,7 @@ _FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 def _prefixes(saved: dict[str, Any]) -> set[str]:
     """Every dotted prefix of the saved keys, with its trailing dot (``a.b.`` of ``a.b.c``)."""
-    found = set()
+    found: set[str] = set()
     for key in saved:
         parts = key.split(".")
         found.update(".".join(parts[:i]) + "." for i in range(1, len(parts)))
