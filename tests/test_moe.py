@@ -59,6 +59,13 @@ def test_the_models_own_plan_at_dp_shard2_x_tp2(pool4, name):
     assert_parity(got, reference(name))
 
 
+def test_with_full_activation_checkpointing(pool4):
+    """Each decoder layer recomputed in backward, its experts' collectives too."""
+    strategy = dict(dp_shard=2, tp=2, tp_plan="auto", activation_checkpointing="full")
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE["qwen3_moe"])[0]
+    assert_parity(got, reference("qwen3_moe"))
+
+
 def test_pipelined_with_the_models_own_plan_at_pp2_x_tp2(pool4):
     """Each stage applies the plan's entries for the experts it holds, and takes its interleaved shards of rank 0's
     initial weights (the last stage's ranks do not include rank 0)."""
