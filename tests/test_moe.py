@@ -243,3 +243,18 @@ def test_a_per_expert_pretrained_checkpoint_is_read_into_each_ranks_expert_shard
         assert_parity(ranks[0], reference_run)
         if init == "pretrained":
             assert all(rank["real_bytes_built"] == 0 for rank in ranks), "a rank built real parameters"
+
+
+def test_the_estimator_runs_experts_in_bf16_and_says_why_not_in_fp32():
+    """torch 2.13's fake ``grouped_mm`` (transformers' experts call it) accepts bf16 only: the estimate of fp32
+    experts is refused saying so and what works; in bf16 the experts are estimated, split over tp."""
+    from lightning_par3d import Par3DConfig, estimate_memory
+    from lightning_par3d.distributed.fakeworld import forget_meshes
+
+    config = Par3DConfig(dp_shard=2, tp=2, tp_plan="auto")
+    with forget_meshes(), pytest.raises(ValueError, match=r"fake grouped_mm .* accepts bf16 inputs only.*bf16-true"):
+        estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32))
+    with forget_meshes():
+        split = estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32), precision="bf16-true")
+        whole = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(dp_shard=2), 2, (8, 32), precision="bf16-true")
+    assert 0 < split.rows[0].state.params < whole.rows[0].state.params  # the experts, most of the model, cut over tp
