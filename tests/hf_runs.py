@@ -286,3 +286,19 @@ def hf_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
     logits = logits_of(output)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def assert_resumes_both_ways(pool: Any, model: dict[str, Any], one: dict[str, Any], other: dict[str, Any],
+                             folder: Path) -> None:  # fmt: skip
+    """A checkpoint of 3 steps at layout ``one`` resumes at ``other``, and one saved at ``other`` resumes at ``one``,
+    each on the single-process trajectory (one-batch epochs: no mid-epoch restart to worry about)."""
+    from tests.conftest import assert_parity
+    from tests.constants import ONE_BATCH_EPOCHS
+
+    whole = run_reference(model, data=ONE_BATCH_EPOCHS)
+    for before, after in ((one, other), (other, one)):
+        path = str(folder / f"{len(before)}-{sorted(before)}.ckpt")
+        run = dict(devices=pool.world_size, model=model, data=ONE_BATCH_EPOCHS)
+        pool.run(run_par3d, strategy=before, max_steps=3, checkpoint_to=path, **run)
+        resumed = pool.run(run_par3d, strategy=after, resume_from=path, **run)[0]
+        assert_parity(resumed, {**whole, "losses": whole["losses"][-len(resumed["losses"]) :]})

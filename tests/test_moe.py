@@ -191,17 +191,10 @@ def test_a_checkpoint_resumes_at_another_layout_and_the_export_loads_in_transfor
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.constants import ONE_BATCH_EPOCHS
+    from tests.hf_runs import assert_resumes_both_ways
 
     model = MOE["qwen3_moe"]
-    split = dict(dp_shard=2, tp=2, tp_plan="auto")
-    whole = run_reference(model, data=ONE_BATCH_EPOCHS)
-    for before, after in ((split, dict(pp=2, dp_shard=2)), (dict(pp=2, dp_shard=2), split)):
-        path = str(tmp_path / f"{len(before)}.ckpt")
-        run = dict(devices=4, model=model, data=ONE_BATCH_EPOCHS)
-        pool4.run(run_par3d, strategy=before, max_steps=3, checkpoint_to=path, **run)
-        resumed = pool4.run(run_par3d, strategy=after, resume_from=path, **run)[0]
-        assert_parity(resumed, {**whole, "losses": whole["losses"][-len(resumed["losses"]) :]})
+    assert_resumes_both_ways(pool4, model, dict(dp_shard=2, tp=2, tp_plan="auto"), dict(pp=2, dp_shard=2), tmp_path)
 
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(7))
     export = tmp_path / "exported"

@@ -13,9 +13,16 @@ import pytest
 import torch
 
 from tests.conftest import assert_parity
-from tests.constants import ONE_BATCH_EPOCHS
 from tests.harness import RankError
-from tests.hf_runs import PACKED_PLAN, accelerate_hf_loop, module, run_par3d, run_reference, save_tiny_pretrained
+from tests.hf_runs import (
+    PACKED_PLAN,
+    accelerate_hf_loop,
+    assert_resumes_both_ways,
+    module,
+    run_par3d,
+    run_reference,
+    save_tiny_pretrained,
+)
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 ARCHITECTURES = {
@@ -73,13 +80,7 @@ def test_packed_gate_up_projection_at_tp2_then_resume_at_another_layout(pool4, t
     packed = dict(dp_shard=2, tp=2, tp_plan=dict(PACKED_PLAN))
     assert_parity(pool4.run(run_par3d, strategy=packed, devices=4, model=phi3)[0], reference("phi3"))
 
-    whole = run_reference(phi3, data=ONE_BATCH_EPOCHS)  # one-batch epochs: no mid-epoch restart to worry about
-    for before, after in ((packed, dict(pp=2, dp_shard=2)), (dict(pp=2, dp_shard=2), packed)):
-        path = str(tmp_path / f"{len(before)}.ckpt")
-        run = dict(devices=4, model=phi3, data=ONE_BATCH_EPOCHS)
-        pool4.run(run_par3d, strategy=before, max_steps=3, checkpoint_to=path, **run)
-        resumed = pool4.run(run_par3d, strategy=after, resume_from=path, **run)[0]
-        assert_parity(resumed, {**whole, "losses": whole["losses"][-len(resumed["losses"]) :]})
+    assert_resumes_both_ways(pool4, phi3, packed, dict(pp=2, dp_shard=2), tmp_path)
 
 
 def test_packed_gate_up_projection_pipelined_at_pp2_x_tp2(pool4):
