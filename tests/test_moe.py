@@ -251,3 +251,29 @@ def test_the_estimator_runs_experts_in_bf16_and_says_why_not_in_fp32():
         split = estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32), precision="bf16-true")
         whole = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(dp_shard=2), 2, (8, 32), precision="bf16-true")
     assert 0 < split.rows[0].state.params < whole.rows[0].state.params  # the experts, most of the model, cut over tp
+
+
+def _another_router_loss_on_rank_1(**run: object) -> dict:
+    """A pool job: ``padded_runs.run_par3d`` with the model's load-balancing loss doubled on rank 1 only."""
+    import os
+
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as home
+
+    own = home.load_balancing_loss_func
+    if os.environ.get("RANK") == "1":
+        home.load_balancing_loss_func = lambda *args, **kwargs: 2 * own(*args, **kwargs)
+    try:
+        return padded_runs.run_par3d(**run)
+    finally:
+        home.load_balancing_loss_func = own
+
+
+def test_a_router_loss_par3d_does_not_know_is_refused_on_every_rank(pool2):
+    """The model's own function is compared with par3d's on the first step; where it differs (here on one rank
+    only), every rank raises, none waits in the next collective."""
+    from tests.harness import RankError
+
+    run = dict(strategy=dict(dp_shard=2), devices=2, side="right", module=padded_runs.OwnLossLM, model=ROUTER_LOSS)
+    with pytest.raises(RankError, match="differs from the Switch Transformer loss par3d computes") as info:
+        pool2.run(_another_router_loss_on_rank_1, max_steps=1, **run)
+    assert info.value.all_ranks_failed

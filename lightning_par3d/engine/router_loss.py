@@ -100,30 +100,37 @@ class _GlobalRouterLoss:
                 "output_router_logits=False."
             )
         counts, probs, rows = _sums(gate_logits, num_experts, top_k, attention_mask)
+        differs = None
         if not self.checked:
             self.checked = True
-            self._check(gate_logits, num_experts, top_k, attention_mask, counts, probs, rows)
-        summed = torch.cat([counts, rows.reshape(1)]).to(torch.float64)
+            differs = self._differs(gate_logits, num_experts, top_k, attention_mask, counts, probs, rows)
+        # One all-reduce: the counts, the rows, and (the first time) how many ranks found a different loss, so that
+        # every rank raises alike rather than some waiting in the next collective.
+        summed = torch.cat([counts, rows.reshape(1), counts.new_tensor([float(differs is not None)])])
+        summed = summed.to(torch.float64)
         group = self.dp_group()
         if group is not None:
             dist.all_reduce(summed, group=group)
-        counts_all, rows_all = summed[:-1].to(probs.dtype), summed[-1].to(probs.dtype)
+        if summed[-1] > 0:
+            raise ValueError(
+                f"The model's {OWN_FUNCTION} differs from the Switch Transformer loss par3d computes over the global "
+                f"batch ({differs or 'on another data-parallel rank'}): par3d does not know how to make this model's "
+                "load-balancing loss the global batch's. Set output_router_logits=False, or train with one "
+                "data-parallel rank."
+            )
+        counts_all, rows_all = summed[:-2].to(probs.dtype), summed[-2].to(probs.dtype)
         return self.dp * num_experts * (counts_all * probs).sum() / rows_all**2
 
-    def _check(self, gate_logits: tuple, num_experts: int, top_k: int, attention_mask: Any, counts: torch.Tensor,
-               probs: torch.Tensor, rows: torch.Tensor) -> None:  # fmt: skip
-        """The local loss from these sums is the model's own function's on the same rows (else its loss is not the
-        one par3d makes global: refused by name)."""
+    def _differs(self, gate_logits: tuple, num_experts: int, top_k: int, attention_mask: Any, counts: torch.Tensor,
+                 probs: torch.Tensor, rows: torch.Tensor) -> str | None:  # fmt: skip
+        """How the model's own function's loss on these rows differs from the one these sums give (None: it does
+        not; else its loss is not the one par3d makes global)."""
         with torch.no_grad():
             own = self.own(tuple(g.detach() for g in gate_logits), num_experts, top_k, attention_mask)
             mine = num_experts * (counts * probs.detach()).sum() / rows**2
-        if not torch.allclose(torch.as_tensor(own, dtype=mine.dtype), mine, rtol=1e-5, atol=1e-7):
-            raise ValueError(
-                f"The model's {OWN_FUNCTION} gives {float(own):.6g} on this rank's routing where the Switch "
-                f"Transformer loss par3d computes over the global batch gives {float(mine):.6g}: this model's "
-                "load-balancing loss differs, and par3d does not know how to make it the global batch's. Set "
-                "output_router_logits=False, or train with one data-parallel rank."
-            )
+        if torch.allclose(torch.as_tensor(own, dtype=mine.dtype), mine, rtol=1e-5, atol=1e-7):
+            return None
+        return f"{float(own):.6g} against {float(mine):.6g} on this rank's routing"
 
 
 def _sums(gate_logits: tuple, num_experts: int, top_k: int,
