@@ -49,13 +49,22 @@ def module(model: dict[str, Any] | None = None) -> CausalLMModule:
 
 
 def run_reference(
-    model: dict[str, Any] | None = None, max_steps: int = 5, data: dict[str, Any] | None = None, **trainer: Any
+    model: dict[str, Any] | None = None,
+    max_steps: int = 5,
+    data: dict[str, Any] | None = None,
+    build_on_cpu: bool = False,
+    **trainer: Any,
 ) -> dict[str, Any]:
-    """One process, Lightning's default strategy (``trainer``: more Trainer arguments)."""
+    """One process, Lightning's default strategy (``trainer``: more Trainer arguments). ``build_on_cpu``: the model
+    built on the CPU before ``fit``, as par3d's rank 0 builds it, where Lightning's single-device strategy would
+    build it on its GPU (whose generator draws other weights from the same seed)."""
     L.seed_everything(SEED, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, callbacks=[recorder], **trainer_kwargs(max_steps=max_steps, **trainer))
     lm = module(model)
+    if build_on_cpu:
+        with torch.device("cpu"):
+            lm.configure_model()  # fit's own call then finds the model built
     trainer.fit(lm, ReferenceData(batch_size=GLOBAL_BATCH, **{**DATA, **(data or {})}))
     return {"losses": recorder.losses, "params": full_state(lm)}
 

@@ -2,7 +2,8 @@
 machine cannot hold, and ``PAR3D_REQUIRE_GPUS=N`` fails a session that sees fewer than N devices):
 
 * 1 GPU: par3d on one CUDA device (every size 1: the CUDA placement, an NCCL group of one, checkpointing, DCP),
-  bf16-mixed, a save and resume, and MemoryStats on the CUDA allocator; the machine most users try first;
+  bf16-mixed, a save and resume, MemoryStats on the CUDA allocator, and a tiny Qwen3-MoE (its experts' CUDA
+  kernels, eager and compiled); the machine most users try first;
 * 2 GPUs: FSDP2, tensor parallelism, ZeRO-1/2, the pipeline (send/recv), bf16-mixed, fp16-mixed with its scaler,
   bf16 gradient compression, a save and resume, MemoryStats on the CUDA allocator, and a failing rank;
 * 4 GPUs: HSDP, dp_shard × tp, pp × tp;
@@ -99,6 +100,47 @@ def test_memory_stats_read_the_cuda_allocator_on_one_gpu(tmp_path):
     stats = MemoryStats(dirpath=str(tmp_path), estimate=False, verbose=False)
     gpu_pool(1).run(run_par3d, strategy={}, devices=1, accelerator="gpu", extra_callbacks=[stats])
     assert (tmp_path / "memory_stats.csv").read_text().count("cuda_peak") == 1
+
+
+@functools.cache
+def moe_reference() -> dict:
+    from tests import hf_runs
+    from tests.test_moe import MOE
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return hf_runs.run_reference(MOE["qwen3_moe"], accelerator="gpu", build_on_cpu=True)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("strategy", [dict(), dict(compile=True)], ids=["eager", "compiled"])
+def test_moe_parity_on_one_gpu(strategy):
+    """A tiny transformers Qwen3-MoE (4 experts, top-2, renormalised) on CUDA, eager and compiled: the experts'
+    CUDA kernels through par3d train to the losses and parameters of Lightning's single-device run."""
+    from tests import hf_runs
+    from tests.test_moe import MOE
+
+    got = gpu_pool(1).run(
+        hf_runs.run_par3d, strategy=strategy, devices=1, model=MOE["qwen3_moe"], accelerator="gpu"
+    )[0]
+    assert_parity(got, moe_reference())
+
+
+@pytest.mark.gpu(1)
+def test_moe_bf16_mixed_on_one_gpu():
+    from tests import hf_runs
+    from tests.test_moe import MOE
+
+    got = gpu_pool(1).run(
+        hf_runs.run_par3d,
+        strategy={},
+        devices=1,
+        model=MOE["qwen3_moe"],
+        accelerator="gpu",
+        precision="bf16-mixed",
+    )[0]
+    ref = moe_reference()["losses"]
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref, strict=True)) <= BF16_MIXED_RTOL
 
 
 # ---------------------------------------------------------------- 2 GPUs
