@@ -120,9 +120,7 @@ def test_moe_parity_on_one_gpu(strategy):
     from tests import hf_runs
     from tests.test_moe import MOE
 
-    got = gpu_pool(1).run(
-        hf_runs.run_par3d, strategy=strategy, devices=1, model=MOE["qwen3_moe"], accelerator="gpu"
-    )[0]
+    got = gpu_pool(1).run(hf_runs.run_par3d, strategy=strategy, devices=1, model=MOE["qwen3_moe"], accelerator="gpu")[0]
     assert_parity(got, moe_reference())
 
 
