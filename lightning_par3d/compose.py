@@ -36,6 +36,7 @@ from lightning_par3d.parallel.activation_checkpoint import apply_activation_chec
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
+from lightning_par3d.parallel.expert_parallel import ExpertSpec, apply_expert_parallel, find_experts
 from lightning_par3d.parallel.lora_plan import adapter_plan
 from lightning_par3d.parallel.materialize import BuildState, capture_rank0_state, materialize, sync_rng_from_rank0
 from lightning_par3d.parallel.metric_state import detach_metrics, metrics_in, reattach_metrics, snapshot
@@ -70,11 +71,14 @@ class ParallelizeReport:
     activation_checkpointing: str = "none"
     compiled: str = "none"
     sequence_parallel: bool = False
+    expert_parallel: str = "none"
 
     def __str__(self) -> str:
         text = f"data parallel: {self.data_parallel}; tensor-parallel modules: {self.tp_modules}; "
         if self.sequence_parallel:
             text += "sequence parallel (the residual stream split over tp); "
+        if self.expert_parallel != "none":
+            text += f"expert parallel: {self.expert_parallel}; "
         if self.pipeline != "none":
             text += f"pipeline: {self.pipeline}; "
         if self.activation_checkpointing != "none":
@@ -105,6 +109,7 @@ def parallelize(
     """
     layout = mesh.layout
     fqn_styles = checked_plan(module, config, layout.tp)
+    experts = find_experts(module, layout.ep) if layout.ep > 1 else None
     spec = declared_pipeline(module) if layout.pp > 1 else None
     stage_plan = plan_pipeline(module, spec, config, layout) if spec is not None else None
     blocks = fsdp_blocks(module, config, layout) if spec is None else []
@@ -115,11 +120,13 @@ def parallelize(
     state = capture_rank0_state(module, dist.get_rank())
     from_rank0 = _any_rank0(state.captured, device)
     if spec is None or stage_plan is None:
-        checkpointed = parallelize_part(module, mesh, config, precision, fqn_styles, blocks)
+        checkpointed = parallelize_part(module, mesh, config, precision, fqn_styles, blocks, experts=experts)
         stage_modules: list[nn.Module] = []
         n_blocks = len(blocks)
     else:
-        stage_modules, checkpointed = _parallelize_stages(module, spec, stage_plan, mesh, config, precision, fqn_styles)
+        stage_modules, checkpointed = _parallelize_stages(
+            module, spec, stage_plan, mesh, config, precision, fqn_styles, experts
+        )
         n_blocks = sum(len(stage_plan.blocks[i]) for i in layout.stage_indices(mesh.coords(dist.get_rank()).pp))
     source = "rank0" if from_rank0 else ("none" if config.init == "pretrained" else "reset")
     _materialize(module, device, state, source, config.offload, strict=spec is None)
@@ -139,6 +146,7 @@ def parallelize(
         activation_checkpointing=_describe_ac(config, checkpointed),
         compiled=_describe_compile(module, config, cache_off),
         sequence_parallel=any(style == "sequence_shard" for style in fqn_styles.values()),
+        expert_parallel=_describe_experts(experts, layout) if experts is not None else "none",
     )
     runner = build_runner(stage_modules, mesh, device) if stage_modules else None
     forward_module = (
@@ -155,6 +163,7 @@ def parallelize_part(
     fqn_styles: dict[str, str],
     blocks: list[nn.Module],
     stage_blocks: tuple[list[nn.Module], int] | None = None,
+    experts: ExpertSpec | None = None,
 ) -> int:
     """Tensor parallel → activation checkpointing → ``torch.compile`` per block (``compile=True``) → FSDP2 (per
     block in ``blocks``, then ``part`` as the root), on the meta device; returns how many blocks are checkpointed.
@@ -162,17 +171,21 @@ def parallelize_part(
     position in the model, which checkpointing and compilation take instead of searching for containers of repeated
     blocks), and the memory estimator (:mod:`lightning_par3d.memory.estimate`), which calls it on fake tensors over
     torch's fake process group (with ``compile=False``: it measures the eager build), so that its estimate is of
-    this very build."""
+    this very build. ``experts`` (under ``ep > 1``): the model's experts, split over ``ep`` after tensor parallelism
+    and sharded by FSDP2 over the ranks that hold the same ones."""
     own, first_index = stage_blocks if stage_blocks is not None else (None, 0)
     ties = tied_groups(part) if fqn_styles else []
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
+    if experts is not None:
+        apply_expert_parallel(part, experts, mesh["ep"])
     checkpointed = apply_activation_checkpointing(
         part, config.activation_checkpointing, config.ac_blocks, config.ac_every, own, first_index
     )
     if config.compile:
         compile_blocks(part, config.compile_options, own)
-    shard_data_parallel(part, mesh, blocks, mesh.layout.reshard_after_forward, **_fsdp_policies(config, precision))
+    policies = _fsdp_policies(config, precision)
+    shard_data_parallel(part, mesh, blocks, mesh.layout.reshard_after_forward, experts=experts, **policies)
     return checkpointed
 
 
@@ -199,6 +212,7 @@ def _parallelize_stages(
     config: Par3DConfig,
     precision: str,
     fqn_styles: dict[str, str],
+    experts: ExpertSpec | None = None,
 ) -> tuple[list[nn.Module], int]:
     """This rank's stages, each parallelized by :func:`parallelize_part` with its share of the whole model's plan
     (``fqn_styles``, full names in ``module``) and grafted back into the (emptied) trunk object at their original
@@ -209,7 +223,7 @@ def _parallelize_stages(
     stages, checkpointed = [], 0
     for index in indices:
         stage = build_stage(trunk, plan, index, layout.n_stages, sequence_shards(config, layout))
-        checkpointed += parallelize_stage(stage, plan, index, mesh, config, precision, fqn_styles, spec.trunk)
+        checkpointed += parallelize_stage(stage, plan, index, mesh, config, precision, fqn_styles, spec.trunk, experts)
         stages.append(stage)
     holder = empty_holder(trunk, plan.parts)  # the trunk object itself, now holding nothing
     for index, stage in zip(indices, stages, strict=True):
@@ -245,6 +259,7 @@ def parallelize_stage(
     precision: str,
     fqn_styles: dict[str, str],
     trunk_attr: str,
+    experts: ExpertSpec | None = None,
 ) -> int:
     """:func:`parallelize_part` on stage ``index`` (built by :func:`build_stage`), with its share of the whole
     model's plan, and its blocks (one, or more) as the blocks to checkpoint and compile and as FSDP2's units; returns
@@ -253,7 +268,7 @@ def parallelize_stage(
     own = [stage.get_submodule(name) for name in plan.blocks[index]]
     first_index = sum(len(names) for names in plan.blocks[:index])
     units = own if mesh.layout.dp_shard > 1 else []
-    return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index))
+    return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index), experts)
 
 
 def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) -> dict[str, str]:
@@ -317,6 +332,14 @@ def checked_plan(module: nn.Module, config: Par3DConfig, tp: int) -> dict[str, s
     fqn_styles = adapter_plan(module, fqn_styles)  # LoRA layers: the base layer split, the adapters to match
     check_divisibility(module, fqn_styles, tp)
     return fqn_styles
+
+
+def _describe_experts(experts: ExpertSpec, layout: Layout) -> str:
+    shard = f", FSDP2 over the {layout.expert_shard} ranks holding the same ones" if layout.expert_shard > 1 else ""
+    return (
+        f"ep={layout.ep}, {experts.num_experts // layout.ep} of {experts.num_experts} experts per rank in "
+        f"{len(experts.names)} layers (tokens by all-to-all){shard}"
+    )
 
 
 def _describe_ac(config: Par3DConfig, blocks: int) -> str:

@@ -31,6 +31,13 @@ class Layout:
     """Microbatches per batch under pp > 1."""
     reshard_after_forward_setting: bool | None = None
     """The configured ``reshard_after_forward``; :attr:`reshard_after_forward` resolves its default."""
+    ep: int = 1
+    """Expert-parallel degree: ranks of ``dp_shard`` that split the experts (no mesh dimension of its own)."""
+
+    @property
+    def expert_shard(self) -> int:
+        """The ``dp_shard`` ranks that hold the same experts, among which FSDP2 shards them: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
 
     @property
     def zero(self) -> int:
@@ -95,4 +102,5 @@ class Layout:
         return stage_owner(self.schedule, self.n_stages - 1, self.pp) if self.pp > 1 else 0
 
     def __str__(self) -> str:
-        return f"pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × tp={self.tp}"
+        text = f"pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × tp={self.tp}"
+        return text + (f" (ep={self.ep} within dp_shard)" if self.ep > 1 else "")

@@ -53,6 +53,13 @@ class Par3DConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks that split each planned layer (DTensor). 1 means disabled."""
 
+    ep: int = 1
+    """Expert-parallel degree: a mixture-of-experts model's experts split over ``ep`` ranks taken from ``dp_shard``
+    (it adds no ranks; ``ep`` must divide ``dp_shard``). Each rank holds ``num_experts / ep`` whole experts; the
+    routed tokens go to the rank that holds their expert and back by all-to-all. The experts are sharded by FSDP2
+    over the ``dp_shard / ep`` ranks (and replicated over ``dp_replicate``) that hold the same experts. The experts
+    are found by the transformers model's own expert-parallel plan (``base_model_ep_plan``). 1 means disabled."""
+
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous part of the model's blocks. 1 means disabled.
     Needs the model to declare ``pipeline_trunk`` and ``pipeline_loss`` (see lightning_par3d.pipeline.trunk)."""

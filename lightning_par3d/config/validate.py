@@ -105,6 +105,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_auto(config, errors)
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
+    _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
     _check_positive_int(errors, "dp_replicate", config.dp_replicate, "data-parallel replicas")
     if config.dp_shard != "auto":
         _check_positive_int(errors, "dp_shard", config.dp_shard, "data-parallel shard size, or 'auto'")
@@ -237,6 +238,31 @@ def _check_zero_layout(config: Par3DConfig, layout: Layout, errors: _Errors) -> 
         )
 
 
+def _check_expert_layout(layout: Layout, errors: _Errors) -> None:
+    """Expert parallelism takes its ranks from ``dp_shard``, whose FSDP2 shards what the experts' ranks leave."""
+    ep = layout.ep
+    if ep == 1:
+        return
+    if layout.dp_shard % ep:
+        errors.add(
+            f"ep={ep} splits the experts over ranks taken from dp_shard, but dp_shard={layout.dp_shard} is not a "
+            f"multiple of {ep} ({layout}). Make dp_shard a multiple of ep (e.g. dp_shard={ep * 2} or "
+            f"dp_shard={ep}), or choose an ep that divides dp_shard."
+        )
+    elif layout.zero != 3:
+        errors.add(
+            f"ep={ep} runs under FSDP2 (zero_stage=3), which shards the experts over the ranks that hold the same "
+            f"ones and reduces each expert's gradient over exactly those; here zero_stage={layout.zero}. Use "
+            "zero_stage=3 (the default with dp_shard > 1)."
+        )
+    if layout.tp > 1:
+        errors.add(
+            f"ep={ep} with tp={layout.tp} is not supported yet: the experts are either split whole over ep (from "
+            "dp_shard) or cut along their hidden size over tp by the model's plan (moe_tp_experts). Use ep with "
+            "tp=1, or tp with ep=1."
+        )
+
+
 def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:
     name, m, v, pp = config.pipeline_schedule, config.microbatches, config.virtual_stages, config.pp
     if name not in SCHEDULE_NAMES:
@@ -310,6 +336,7 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
         virtual_stages=config.virtual_stages,
         microbatches=config.microbatches,
         reshard_after_forward_setting=config.reshard_after_forward,
+        ep=config.ep,
     )
     if config.dp is not None and layout.dp != config.dp:
         errors.add(
@@ -324,6 +351,7 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
         )
     if not errors.messages:
         _check_zero_layout(config, layout, errors)
+        _check_expert_layout(layout, errors)
     errors.raise_if_any()
     if layout.zero == 0 and layout.dp_shard > 1:
         # Stage 0 shards nothing: the dp_shard ranks are replicas like dp_replicate's.

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Mesh dimension names, outermost first. Adjacent ranks differ in ``tp`` first, so tp stays inside a node."""
 
+EXPERT_DIM_NAMES = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
+"""The experts' mesh under ``ep > 1``: ``dp_shard`` split into ``expert_shard × ep``, ``ep`` inner (adjacent
+``dp_shard`` ranks exchange tokens). A second ``DeviceMesh`` over the same ranks, so that FSDP2 can shard the experts
+over ``expert_shard`` while they are split over ``ep`` (both sub-meshes of one root, as FSDP2 needs)."""
+
 GROUP_NAMES = (*DIM_NAMES, "dp")
 """Groups that :meth:`Par3DMesh.group_ranks` knows: each dimension, and ``dp`` = ``dp_replicate × dp_shard``."""
 
@@ -41,12 +46,18 @@ class Par3DMesh:
     """Rank arithmetic over a :class:`~lightning_par3d.config.Layout`, plus the ``DeviceMesh`` once built."""
 
     def __init__(
-        self, layout: Layout, device_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None
+        self,
+        layout: Layout,
+        device_mesh: DeviceMesh | None = None,
+        dp_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
     ) -> None:
         self.layout = layout
         self._device_mesh = device_mesh
         self._dp_mesh = dp_mesh
         """The flattened ``dp`` mesh (``dp_replicate × dp_shard`` as one dimension)."""
+        self._expert_mesh = expert_mesh
+        """Under ``ep > 1``: the experts' mesh (:data:`EXPERT_DIM_NAMES`)."""
         self.destroyed = False
 
     @property
@@ -109,7 +120,21 @@ class Par3DMesh:
         if name == "dp" and self._dp_mesh is not None:
             self.device_mesh  # noqa: B018 (raises if the groups were destroyed)
             return self._dp_mesh
+        if name in ("ep", "expert_fsdp"):
+            return self._expert_submesh(name)
         return self.device_mesh[name]
+
+    def _expert_submesh(self, name: str) -> DeviceMesh:
+        """``ep``: the ranks that split the experts; ``expert_fsdp``: the mesh FSDP2 shards the experts over (the
+        ``dp_shard`` ranks that hold the same experts, 2D with ``dp_replicate`` under HSDP)."""
+        self.device_mesh  # noqa: B018 (raises if the groups were destroyed)
+        if self._expert_mesh is None:
+            raise RuntimeError(f"The mesh has no experts' dimensions: ep={self.layout.ep} ({self.layout}).")
+        if name == "ep":
+            return self._expert_mesh["ep"]
+        if self.layout.dp_replicate == 1:
+            return self._expert_mesh["expert_shard"]
+        return self._expert_mesh["dp_replicate", "expert_shard"]
 
     def all_group_ranks(self) -> dict[str, list[list[int]]]:
         """Every group of each kind in :data:`GROUP_NAMES`, as its ranks in mesh order: the whole partition of the
@@ -119,7 +144,18 @@ class Par3DMesh:
         ranks = torch.arange(self.layout.world_size).reshape(self.shape)
         found = {name: ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist() for i, name in enumerate(DIM_NAMES)}
         found["dp"] = ranks.permute(0, 3, 1, 2).reshape(-1, self.layout.dp).tolist()
+        if self.layout.ep > 1:
+            experts = ranks.reshape(self.expert_shape)
+            for name in ("expert_shard", "ep"):
+                i = EXPERT_DIM_NAMES.index(name)
+                found[name] = experts.movedim(i, -1).reshape(-1, experts.shape[i]).tolist()
         return found
+
+    @property
+    def expert_shape(self) -> tuple[int, int, int, int, int]:
+        """The experts' mesh shape, :data:`EXPERT_DIM_NAMES`."""
+        layout = self.layout
+        return (layout.pp, layout.dp_replicate, layout.expert_shard, layout.ep, layout.tp)
 
     @classmethod
     def build(cls, layout: Layout, device_type: str, group_of: Callable[[list[int]], Any]) -> Par3DMesh:
@@ -144,7 +180,14 @@ class Par3DMesh:
         mesh = DeviceMesh.from_group(dims, device_type, mesh=every_rank, mesh_dim_names=DIM_NAMES)
         dp_group, dp_ranks = mine["dp"]
         dp = DeviceMesh.from_group(dp_group, device_type, mesh=dp_ranks, mesh_dim_names=("dp",))
-        return cls(layout, mesh, dp)
+        experts = None
+        if layout.ep > 1:
+            groups = [mine[name][0] for name in EXPERT_DIM_NAMES]
+            shape = arithmetic.expert_shape
+            experts = DeviceMesh.from_group(
+                groups, device_type, mesh=every_rank.reshape(shape), mesh_dim_names=EXPERT_DIM_NAMES
+            )
+        return cls(layout, mesh, dp, experts)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.layout.world_size:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_par3d.parallel.compression import Compression
+from lightning_par3d.parallel.expert_parallel import ExpertSpec, shard_experts
 from lightning_par3d.parallel.packed_shards import fsdp_shard_placement
 from lightning_par3d.utils.patterns import find_modules, repeated_members
 
@@ -72,6 +73,7 @@ def shard_data_parallel(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    experts: ExpertSpec | None = None,
 ) -> None:
     """Applies ``fully_shard`` to each block, then to ``module`` as the root, where FSDP2 serves the layout's
     data-parallel dimension (``layout.data_parallel == "fsdp"``). Does nothing when dp = 1, under DDP, and for ZeRO
@@ -81,6 +83,8 @@ def shard_data_parallel(
     data-parallel mesh without moving data. ``mp_policy`` sets the dtype of the gathered parameters and of the
     gradient reduction; ``offload_policy`` keeps the shards in CPU memory. A packed projection's interleaved
     shards are sharded on another dim (:func:`~lightning_par3d.parallel.packed_shards.fsdp_shard_placement`).
+    Under expert parallelism (``experts``), each module of experts is its own unit first, on the ranks that hold the
+    same experts (:func:`~lightning_par3d.parallel.expert_parallel.shard_experts`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
@@ -92,6 +96,10 @@ def shard_data_parallel(
         # of one all-reduce (and one copy in and out) per block.
         blocks, reshard_after_forward = [], False
     mp, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()
+    if experts is not None:
+        shard_experts(
+            module, experts, mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload
+        )
     for unit in (*blocks, module):
         fully_shard(
             unit,
