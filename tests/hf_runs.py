@@ -155,6 +155,7 @@ def run_par3d(
         "bytes_read": read[0],
         "bytes_held": sum(_local(p).numel() * p.element_size() for p in lm.parameters()),
         "split_over_tp": sorted(name for name, p in lm.named_parameters() if _split_over_tp(p)),
+        "split_over_ep": {name: _ep_split(p) for name, p in lm.named_parameters() if _ep_split(p)},
     }
     if logits_of is not None:
         result["logits"] = _predict(trainer, lm, logits_of)
@@ -165,6 +166,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _ep_split(t: torch.Tensor) -> int:
+    """Over how many ``ep`` ranks ``t`` is split along its first dimension (0: not over ep)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or "ep" not in (t.device_mesh.mesh_dim_names or ()):
+        return 0
+    dim = t.device_mesh.mesh_dim_names.index("ep")
+    return t.device_mesh.size(dim) if t.placements[dim] == Shard(0) else 0
 
 
 def _split_over_tp(t: torch.Tensor) -> bool:

@@ -123,6 +123,73 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         checked_plan(lm, Par3DConfig(tp=3, tp_plan="auto"), 3)
 
 
+# ---------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.parametrize(
+    "name, strategy",
+    [
+        ("qwen3_moe", dict(dp_shard=4, ep=4)),  # one expert a rank, one rank holding each
+        ("mixtral", dict(dp_shard=4, ep=2)),  # two experts a rank, FSDP2 over the two ranks holding them
+        ("qwen2_moe", dict(pp=2, dp_shard=2, ep=2)),  # a shared expert beside them; each stage's experts
+    ],
+    ids=["qwen3_moe-dp_shard4xep4", "mixtral-dp_shard4xep2", "qwen2_moe-pp2xdp_shard2xep2"],
+)
+def test_expert_parallel(pool4, name, strategy):
+    """Each rank holds num_experts / ep whole experts; every token's choices run where their experts are (all-to-all
+    there and back) and the router's weights sum them as the model does; each expert's gradient is the mean over
+    the whole dp, reduced over exactly the ranks that hold it. The single-process trajectory, on the samples each
+    rank read."""
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE[name])[0]
+    held = got["split_over_ep"]
+    assert {n.rsplit(".", 1)[1] for n in held} == EXPERT_WEIGHTS and set(held.values()) == {strategy["ep"]}, held
+    assert_parity(got, reference(name))
+
+
+def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_experts(pool4, tmp_path):
+    """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, on the
+    single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2 run writes every expert, which
+    ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_runs import assert_resumes_both_ways
+
+    model = MOE["qwen3_moe"]
+    assert_resumes_both_ways(pool4, model, dict(dp_shard=4, ep=4), dict(pp=2, dp_shard=2, ep=2), tmp_path)
+    export = tmp_path / "exported"
+    trained = pool4.run(run_par3d, strategy=dict(dp_shard=4, ep=2), devices=4, model=model, export_to=str(export))[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(export)
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, trained["params"][f"model.{name}"]), name
+    assert_parity(trained, reference("qwen3_moe"))
+
+
+def test_expert_parallel_refusals():
+    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2 or tp. At the model, on every rank
+    before any data moves: a model without experts, and an ep that does not divide the experts."""
+    from lightning_par3d import Par3DConfig
+    from lightning_par3d.config import resolve_layout
+    from lightning_par3d.parallel.expert_parallel import find_experts
+
+    for config, message in (
+        (Par3DConfig(dp_shard=4, ep=3), r"ep=3 splits the experts over ranks taken from dp_shard, but dp_shard=4"),
+        (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
+        (Par3DConfig(dp_shard=2, tp=2, ep=2), r"ep=2 with tp=2 is not supported yet"),
+        (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            resolve_layout(config, 4)
+    with pytest.raises(ValueError, match=r"ep=2 splits a mixture-of-experts model's experts .* but CausalLMModule "
+                                         r"has no experts"):  # fmt: skip
+        find_experts(module(), 2)
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 experts of each layer .* Use an ep among "
+                                         r"\[2, 4\]"):  # fmt: skip
+        find_experts(_built("qwen3_moe"), 3)
+    spec = find_experts(_built("qwen3_moe"), 2)
+    assert spec.num_experts == 4 and spec.names == tuple(f"model.model.layers.{i}.mlp.experts" for i in (0, 1))
+
+
 # ---------------------------------------------------------------- the router's load-balancing loss
 
 ROUTER_LOSS = {
@@ -140,9 +207,9 @@ def router_loss_reference() -> dict:
 
 @pytest.mark.parametrize(
     "pool, strategy",
-    [(2, dict(dp_shard=2)), (4, dict(dp_shard=2, tp=2, tp_plan="auto"))],
+    [(2, dict(dp_shard=2)), (4, dict(dp_shard=2, tp=2, tp_plan="auto")), (4, dict(dp_shard=4, ep=2))],
     indirect=["pool"],
-    ids=["dp_shard2", "dp_shard2xtp2"],
+    ids=["dp_shard2", "dp_shard2xtp2", "dp_shard4xep2"],
 )
 def test_the_router_loss_is_the_global_batchs(pool, strategy):
     """The load-balancing loss is a product of two means over the global batch (padded rows masked out): each
@@ -180,6 +247,19 @@ def test_under_accelerate_and_fabric(pool4):
     got = pool4.run(accelerate_hf_loop, strategy=dict(dp_shard=2, tp=2), model=model)[0]
     assert_parity(got, reference_loop)
     got = pool4.run(fabric_hf_loop, strategy=dict(pp=2, tp=2), model=model)[0]
+    assert_parity(got, reference_loop)
+
+
+def test_expert_parallel_under_accelerate_and_fabric(pool4):
+    """The README's Accelerate loop at dp_shard=4 × ep=2 and the same script under Fabric at pp=2 × dp_shard=2 ×
+    ep=2, against the loop on one process."""
+    from tests.hf_runs import accelerate_hf_loop, fabric_hf_loop
+
+    model = MOE["qwen3_moe"]
+    reference_loop = accelerate_hf_loop(None, model=model)
+    got = pool4.run(accelerate_hf_loop, strategy=dict(dp_shard=4, ep=2), model=model)[0]
+    assert_parity(got, reference_loop)
+    got = pool4.run(fabric_hf_loop, strategy=dict(pp=2, dp_shard=2, ep=2), model=model)[0]
     assert_parity(got, reference_loop)
 
 
