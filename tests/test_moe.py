@@ -132,8 +132,18 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         ("qwen3_moe", dict(dp_shard=4, ep=4)),  # one expert a rank, one rank holding each
         ("mixtral", dict(dp_shard=4, ep=2)),  # two experts a rank, FSDP2 over the two ranks holding them
         ("qwen2_moe", dict(pp=2, dp_shard=2, ep=2)),  # a shared expert beside them; each stage's experts
+        # HSDP: the experts sharded over nothing, replicated over dp_replicate; every layer recomputed in backward,
+        # its all-to-alls too
+        ("qwen3_moe", dict(dp_replicate=2, dp_shard=2, ep=2, activation_checkpointing="full")),
+        ("qwen3_moe", dict(dp_shard=4, ep=2, compile=True)),  # the routing runs eager between compiled parts
     ],
-    ids=["qwen3_moe-dp_shard4xep4", "mixtral-dp_shard4xep2", "qwen2_moe-pp2xdp_shard2xep2"],
+    ids=[
+        "qwen3_moe-dp_shard4xep4",
+        "mixtral-dp_shard4xep2",
+        "qwen2_moe-pp2xdp_shard2xep2",
+        "qwen3_moe-hsdp2x2xep2-full_ac",
+        "qwen3_moe-dp_shard4xep2-compiled",
+    ],
 )
 def test_expert_parallel(pool4, name, strategy):
     """Each rank holds num_experts / ep whole experts; every token's choices run where their experts are (all-to-all
@@ -331,6 +341,35 @@ def test_the_estimator_runs_experts_in_bf16_and_says_why_not_in_fp32():
         split = estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32), precision="bf16-true")
         whole = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(dp_shard=2), 2, (8, 32), precision="bf16-true")
     assert 0 < split.rows[0].state.params < whole.rows[0].state.params  # the experts, most of the model, cut over tp
+
+
+def _measured_memory(strategy: dict) -> dict:
+    """A pool job: a bf16 run's model state before its second step, and its batches' peak saved activations."""
+    from tests.test_estimate import MemoryProbe
+
+    probe = MemoryProbe()
+    run = dict(devices=4, model=MOE["qwen3_moe"], precision="bf16-true", max_steps=3, extra_callbacks=[probe])
+    run_par3d(strategy=strategy, **run)
+    return {"state": probe.state, "activations": probe.activations}
+
+
+def test_the_estimate_of_expert_parallel_matches_a_measured_run(pool4):
+    """Under ep the estimator runs the run's own build (the experts split over ep, FSDP2 over the ranks sharing
+    them) on fake tensors, the routing taken as balanced: the model state per rank to the byte, the activations
+    (the dispatch buffers included) within the routing's imbalance."""
+    from lightning_par3d import Par3DConfig, estimate_memory
+    from lightning_par3d.distributed.fakeworld import forget_meshes
+    from tests.gpt_runs import GLOBAL_BATCH
+
+    strategy = dict(dp_shard=4, ep=2)
+    measured = pool4.run(_measured_memory, strategy=strategy)
+    with forget_meshes():
+        batch = (GLOBAL_BATCH // 4, module().hparams.block_size)
+        estimate = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(**strategy), 4, batch, precision="bf16-true")
+    row = estimate.rows[0]
+    for got in measured:
+        assert row.state == got["state"]
+        assert abs(row.activations - got["activations"]) <= 0.15 * got["activations"], (row, got)
 
 
 def _another_router_loss_on_rank_1(**run: object) -> dict:

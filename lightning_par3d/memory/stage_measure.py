@@ -292,12 +292,12 @@ class _Part:
         if layout.pp == 1 and own_blocks is not None:  # the model cut to its first blocks (measured by depth)
             _cut_to(root, own_blocks)
         fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
+        experts = build.find_experts(root, layout.ep) if layout.ep > 1 else None
         if layout.pp == 1:
             blocks = find_ac_blocks(root, config.ac_blocks)
             with fake_mode_paused():
-                build.parallelize_part(
-                    root, self.mesh, config, self.precision, fqn_styles, build.fsdp_blocks(root, config, layout)
-                )
+                blocks_ = build.fsdp_blocks(root, config, layout)
+                build.parallelize_part(root, self.mesh, config, self.precision, fqn_styles, blocks_, experts=experts)
             return root, blocks, _whole_step(root, microbatch, loss_fn)
         spec = declared_pipeline(root)
         plan = build.plan_pipeline(root, spec, config, layout)
@@ -310,7 +310,9 @@ class _Part:
         own = [part.get_submodule(name) for name in plan.blocks[self.stage]]  # as the run checkpoints them
         blocks = own if config.ac_blocks is None else find_ac_blocks(part, config.ac_blocks)
         with fake_mode_paused():
-            build.parallelize_stage(part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk)
+            build.parallelize_stage(
+                part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk, experts
+            )
         inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)
         last = self.stage == layout.n_stages - 1
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.utils.patterns import is_transformers_model, matches
+from lightning_par3d.utils.torch_private import is_fake
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -176,14 +177,14 @@ def _local_view(experts: nn.Module, n_local: int) -> Iterator[None]:
         for name, param in saved.items():
             if isinstance(param, DTensor):
                 ep = param.device_mesh.size()
-                experts._parameters[name] = _ScaledGradient.apply(param.to_local(), 1.0 / ep)  # type: ignore[assignment]
+                experts._parameters[name] = _ScaledGradient.apply(param.to_local(), 1.0 / ep)
         if count is not None:
-            experts.num_experts = n_local
+            setattr(experts, "num_experts", n_local)  # noqa: B010 (an int where nn.Module types attributes as modules)
         yield
     finally:
         experts._parameters.update(saved)
         if count is not None:
-            experts.num_experts = count
+            setattr(experts, "num_experts", count)  # noqa: B010
 
 
 @torch.compiler.disable  # data-dependent sizes and collectives with autograd: eager, between compiled parts
@@ -206,18 +207,33 @@ def routed_forward(
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert, so by destination rank
     token_of = order // top_k
-    counts = torch.bincount(flat, minlength=ep * n_local)
-    arriving = torch.empty_like(counts)
-    dist.all_to_all_single(arriving, counts, group=group)  # [source rank, local expert]: rows about to arrive
-    send = counts.view(ep, n_local).sum(1).tolist()
-    by_source = arriving.view(ep, n_local)
-    receive = by_source.sum(1).tolist()
+    if is_fake(flat):  # the memory estimator's step: sizes only, the routing taken as balanced
+        send, local_ids = _balanced(len(flat), ep, n_local, flat.device)
+        receive = send
+    else:
+        counts = torch.bincount(flat, minlength=ep * n_local)
+        arriving = torch.empty_like(counts)
+        dist.all_to_all_single(arriving, counts, group=group)  # [source rank, local expert]: rows about to arrive
+        send = counts.view(ep, n_local).sum(1).tolist()
+        by_source = arriving.view(ep, n_local)
+        receive = by_source.sum(1).tolist()
+        local_ids = torch.arange(n_local, device=flat.device).repeat(ep).repeat_interleave(by_source.reshape(-1))
     rows = hidden.index_select(0, token_of)
     arrived = all_to_all_single(rows.new_empty(sum(receive), hidden.shape[1]), rows, receive, send, group=group)
-    local_ids = torch.repeat_interleave(torch.arange(n_local, device=flat.device).repeat(ep), by_source.reshape(-1))
     by_expert = torch.argsort(local_ids, stable=True)
     done = run_local(arrived.index_select(0, by_expert), local_ids.index_select(0, by_expert))
     done = torch.zeros_like(done).index_copy(0, by_expert, done)  # back in arrival order
     returned = all_to_all_single(done.new_empty(len(order), done.shape[1]), done, send, receive, group=group)
     routing = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, token_of, (returned * routing).to(hidden.dtype))
+
+
+def _balanced(pairs: int, ep: int, n_local: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Balanced routing of ``pairs`` (token, choice) pairs: the rows sent to (and received from) each rank, and the
+    local expert of each row received, in arrival order (from each source, by expert)."""
+    send = [pairs // ep + (r < pairs % ep) for r in range(ep)]
+    ids = []
+    for rows in send:
+        per_expert = [rows // n_local + (e < rows % n_local) for e in range(n_local)]
+        ids += [torch.full((n,), e, dtype=torch.long, device=device) for e, n in enumerate(per_expert)]
+    return send, torch.cat(ids)

@@ -30,6 +30,15 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (the memory estimator's simulated step), whose values cannot be read.
+
+    Private module: ``torch._subclasses.fake_tensor.is_fake``; no public equivalent."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return bool(fake(t))
+
+
 def fake_mode_paused() -> Any:
     """A context in which no ``FakeTensorMode`` is active, while fake tensors stay fake (every op on them still
     dispatches to their own mode). The memory estimator builds the model under the fake mode, then parallelizes it
