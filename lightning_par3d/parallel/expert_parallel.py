@@ -11,8 +11,8 @@ the ``ep`` mesh), and its own tokens, since the ``ep`` ranks are data-parallel r
 rank, as in one process. Then, in :func:`routed_forward`:
 
 1. each (token, choice) pair is sorted by its expert, and the counts per expert are exchanged (all-to-all);
-2. the token rows go to the ranks that hold their experts (``torch.distributed.nn.functional.all_to_all_single``,
-   whose backward sends the gradients back the same way);
+2. the token rows go to the ranks that hold their experts (torch's functional ``all_to_all_single``, whose backward
+   sends the gradients back the same way);
 3. the module's own forward runs the rows it received through its local experts, each row with routing weight 1
    (the model's own expert math: activation, gate and up halves, biases, its chosen kernel);
 4. the outputs come back by the reverse all-to-all and are weighted by the router's weights and summed per token,
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.utils.patterns import is_transformers_model, matches
-from lightning_par3d.utils.torch_private import is_fake
+from lightning_par3d.utils.torch_private import all_to_all_with_autograd, is_fake
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -200,8 +200,6 @@ def routed_forward(
     top-k, the router's choices by global expert number and their weights), each token's chosen experts run on the
     ranks of ``group`` that hold them (rank ``r`` holds experts ``r·n_local … (r+1)·n_local − 1``) by
     ``run_local(rows, local_expert_ids)``."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     ep = dist.get_world_size(group)
     top_k = index.shape[1]
     flat = index.reshape(-1)
@@ -219,11 +217,11 @@ def routed_forward(
         receive = by_source.sum(1).tolist()
         local_ids = torch.arange(n_local, device=flat.device).repeat(ep).repeat_interleave(by_source.reshape(-1))
     rows = hidden.index_select(0, token_of)
-    arrived = all_to_all_single(rows.new_empty(sum(receive), hidden.shape[1]), rows, receive, send, group=group)
+    arrived = all_to_all_with_autograd(rows, receive, send, group)
     by_expert = torch.argsort(local_ids, stable=True)
     done = run_local(arrived.index_select(0, by_expert), local_ids.index_select(0, by_expert))
     done = torch.zeros_like(done).index_copy(0, by_expert, done)  # back in arrival order
-    returned = all_to_all_single(done.new_empty(len(order), done.shape[1]), done, send, receive, group=group)
+    returned = all_to_all_with_autograd(done, send, receive, group)
     routing = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, token_of, (returned * routing).to(hidden.dtype))
 

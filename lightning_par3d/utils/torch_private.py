@@ -133,6 +133,19 @@ def strided_shard() -> Any:
     return _StridedShard
 
 
+def all_to_all_with_autograd(
+    x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any
+) -> torch.Tensor:
+    """``all_to_all_single`` whose backward sends the gradients back the same way (expert parallelism's dispatch),
+    its result waited for.
+
+    Private: ``torch.distributed._functional_collectives.all_to_all_single``. torch 2.13 deprecates the public
+    ``torch.distributed.nn.functional.all_to_all_single`` (it warns on every call) in favour of this one."""
+    from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
+
+    return wait_tensor(all_to_all_single(x, output_split_sizes, input_split_sizes, group))
+
+
 def functional_collective_ops() -> Any:
     """The op namespace of torch's functional collectives (``all_reduce``, ``all_gather_into_tensor`` …), whose
     outputs ``op``-mode activation checkpointing saves. The ops are registered only under this name.
