@@ -178,7 +178,7 @@ def parallelize_part(
     apply_tensor_parallel(part, mesh["tp"], fqn_styles)
     retie(part, ties)
     if experts is not None:
-        apply_expert_parallel(part, experts, mesh["ep"])
+        apply_expert_parallel(part, experts, mesh)
     checkpointed = apply_activation_checkpointing(
         part, config.activation_checkpointing, config.ac_blocks, config.ac_every, own, first_index
     )

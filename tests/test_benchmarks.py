@@ -28,6 +28,7 @@ COMMANDS: dict[str, list[str]] = {
     "callbacks": ["--rounds", "1", "--steps", "8", "--log-every", "4"],
     "async_save": ["--rounds", "1", "--steps", "3", "--every", "1", "--n-embd", "32", "--n-layer", "2"],
     "compile": ["--rounds", "1", "--steps", "3", "--warmup", "1", "--only", "dp2xtp2", "--modes", "eager"],
+    "moe": ["--rounds", "1", "--steps", "3", "--warmup", "1", "--only", "ep=4"],
 }
 """Each benchmark's short run: its own options, one round of few steps (and one layout where it compares many)."""
 
@@ -43,6 +44,7 @@ ROWS: dict[str, list[str]] = {
     "callbacks": [rf"\| no callbacks \| {NUMBER} \| 1\.000 \|", rf"throughput change, medians: {NUMBER} %"],
     "async_save": [rf"\| {mode} \| {NUMBER} s \| {NUMBER} s \| {NUMBER} s \|" for mode in ("sync", "async")],
     "compile": [rf"\| dp2xtp2 \| {NUMBER} \| — \| — \| {NUMBER} \| — \|"],
+    "moe": [rf"\| {name} \|(?: {NUMBER} \|){{5}} — \|" for name in ("fsdp", "ep=4")],
 }
 """What each table must hold: a row per thing compared, with numbers where its figures go."""
 

@@ -136,6 +136,8 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         # its all-to-alls too
         ("qwen3_moe", dict(dp_replicate=2, dp_shard=2, ep=2, activation_checkpointing="full")),
         ("qwen3_moe", dict(dp_shard=4, ep=2, compile=True)),  # the routing runs eager between compiled parts
+        # ep over the dp_shard ranks, each expert also cut over tp by the model's own plan (moe_tp_experts)
+        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, tp_plan="auto")),
     ],
     ids=[
         "qwen3_moe-dp_shard4xep4",
@@ -143,6 +145,7 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         "qwen2_moe-pp2xdp_shard2xep2",
         "qwen3_moe-hsdp2x2xep2-full_ac",
         "qwen3_moe-dp_shard4xep2-compiled",
+        "qwen3_moe-dp_shard2xtp2xep2",
     ],
 )
 def test_expert_parallel(pool4, name, strategy):
@@ -153,13 +156,14 @@ def test_expert_parallel(pool4, name, strategy):
     got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE[name])[0]
     held = got["split_over_ep"]
     assert {n.rsplit(".", 1)[1] for n in held} == EXPERT_WEIGHTS and set(held.values()) == {strategy["ep"]}, held
+    assert _experts_split(got) == (EXPERT_WEIGHTS if "tp" in strategy else set())
     assert_parity(got, reference(name))
 
 
 def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_experts(pool4, tmp_path):
-    """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, on the
-    single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2 run writes every expert, which
-    ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights."""
+    """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, and between
+    dp_shard=2 × tp=2 × ep=2 and ep=4, on the single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2
+    run writes every expert, which ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -167,6 +171,8 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_e
 
     model = MOE["qwen3_moe"]
     assert_resumes_both_ways(pool4, model, dict(dp_shard=4, ep=4), dict(pp=2, dp_shard=2, ep=2), tmp_path)
+    cut = dict(dp_shard=2, tp=2, ep=2, tp_plan="auto")  # each expert also cut over tp, interleaved gate and up
+    assert_resumes_both_ways(pool4, model, cut, dict(dp_shard=4, ep=4), tmp_path / "cut")
     export = tmp_path / "exported"
     trained = pool4.run(run_par3d, strategy=dict(dp_shard=4, ep=2), devices=4, model=model, export_to=str(export))[0]
     reloaded = AutoModelForCausalLM.from_pretrained(export)
@@ -176,7 +182,7 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_e
 
 
 def test_expert_parallel_refusals():
-    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2 or tp. At the model, on every rank
+    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2. At the model, on every rank
     before any data moves: a model without experts, and an ep that does not divide the experts."""
     from lightning_par3d import Par3DConfig
     from lightning_par3d.config import resolve_layout
@@ -185,7 +191,6 @@ def test_expert_parallel_refusals():
     for config, message in (
         (Par3DConfig(dp_shard=4, ep=3), r"ep=3 splits the experts over ranks taken from dp_shard, but dp_shard=4"),
         (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
-        (Par3DConfig(dp_shard=2, tp=2, ep=2), r"ep=2 with tp=2 is not supported yet"),
         (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -58,7 +58,8 @@ class Par3DConfig:
     (it adds no ranks; ``ep`` must divide ``dp_shard``). Each rank holds ``num_experts / ep`` whole experts; the
     routed tokens go to the rank that holds their expert and back by all-to-all. The experts are sharded by FSDP2
     over the ``dp_shard / ep`` ranks (and replicated over ``dp_replicate``) that hold the same experts. The experts
-    are found by the transformers model's own expert-parallel plan (``base_model_ep_plan``). 1 means disabled."""
+    are found by the transformers model's own expert-parallel plan (``base_model_ep_plan``). With ``tp > 1`` and the
+    model's own tp plan, each expert is also cut over tp (``moe_tp_experts``). 1 means disabled."""
 
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous part of the model's blocks. 1 means disabled.

@@ -255,12 +255,6 @@ def _check_expert_layout(layout: Layout, errors: _Errors) -> None:
             f"ones and reduces each expert's gradient over exactly those; here zero_stage={layout.zero}. Use "
             "zero_stage=3 (the default with dp_shard > 1)."
         )
-    if layout.tp > 1:
-        errors.add(
-            f"ep={ep} with tp={layout.tp} is not supported yet: the experts are either split whole over ep (from "
-            "dp_shard) or cut along their hidden size over tp by the model's plan (moe_tp_experts). Use ep with "
-            "tp=1, or tp with ep=1."
-        )
 
 
 def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:

@@ -120,18 +120,21 @@ class Par3DMesh:
         if name == "dp" and self._dp_mesh is not None:
             self.device_mesh  # noqa: B018 (raises if the groups were destroyed)
             return self._dp_mesh
-        if name in ("ep", "expert_fsdp"):
+        if name in ("ep", "ep_tp", "expert_fsdp"):
             return self._expert_submesh(name)
         return self.device_mesh[name]
 
     def _expert_submesh(self, name: str) -> DeviceMesh:
-        """``ep``: the ranks that split the experts; ``expert_fsdp``: the mesh FSDP2 shards the experts over (the
-        ``dp_shard`` ranks that hold the same experts, 2D with ``dp_replicate`` under HSDP)."""
+        """``ep``: the ranks that split the experts; ``ep_tp``: those and the tp ranks that cut each expert (2D);
+        ``expert_fsdp``: the mesh FSDP2 shards the experts over (the ``dp_shard`` ranks that hold the same experts,
+        2D with ``dp_replicate`` under HSDP)."""
         self.device_mesh  # noqa: B018 (raises if the groups were destroyed)
         if self._expert_mesh is None:
             raise RuntimeError(f"The mesh has no experts' dimensions: ep={self.layout.ep} ({self.layout}).")
         if name == "ep":
             return self._expert_mesh["ep"]
+        if name == "ep_tp":
+            return self._expert_mesh["ep", "tp"]
         if self.layout.dp_replicate == 1:
             return self._expert_mesh["expert_shard"]
         return self._expert_mesh["dp_replicate", "expert_shard"]

@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.utils.patterns import is_transformers_model, matches
-from lightning_par3d.utils.torch_private import all_to_all_with_autograd, is_fake
+from lightning_par3d.utils.torch_private import all_to_all_with_autograd, is_fake, strided_shard
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
 
     from lightning_par3d.distributed.mesh import Par3DMesh
 
@@ -109,32 +109,48 @@ def find_experts(module: nn.Module, ep: int) -> ExpertSpec:
     return ExpertSpec(tuple(name for name, _ in found), classes, num_experts)
 
 
-def apply_expert_parallel(part: nn.Module, spec: ExpertSpec, ep_mesh: DeviceMesh) -> int:
-    """Splits the experts in ``part`` over ``ep_mesh`` (on the meta device, before FSDP2) and routes their tokens
-    by all-to-all; returns how many modules of experts it split."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def apply_expert_parallel(part: nn.Module, spec: ExpertSpec, mesh: Par3DMesh) -> int:
+    """Splits the experts in ``part`` over the ``ep`` ranks (on the meta device, after tensor parallelism, before
+    FSDP2) and routes their tokens by all-to-all; returns how many modules of experts it split.
 
-    group = ep_mesh.get_group()
-    n_local = spec.num_experts // ep_mesh.size()
+    A weight the tensor-parallel plan already cut over tp (``moe_tp_experts``: each expert along its hidden size)
+    becomes a DTensor over the experts' ``(ep, tp)`` mesh, ``Shard(0)`` over ep beside its tp placement; the tp
+    style's own forward (partial outputs summed over tp) then runs on each rank's rows."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    ep_mesh = mesh["ep"]
+    rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+    n_local = spec.num_experts // size
     modules = spec.modules_in(part)
     for experts in modules:
         for name, param in list(experts.named_parameters(recurse=False)):
-            shard = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
+            if isinstance(param, DTensor):  # cut over tp: this rank's experts of its tp shard
+                local = param.to_local()[rank * n_local : (rank + 1) * n_local]
+                shard = DTensor.from_local(
+                    local, mesh["ep_tp"], [Shard(0), *param.placements], run_check=False, shape=param.shape,
+                    stride=param.stride(),
+                )  # fmt: skip
+            else:
+                shard = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-        experts.forward = _routed(experts, experts.forward, group, n_local)
+        experts.forward = _routed(experts, experts.forward, ep_mesh.get_group(), n_local)
     return len(modules)
 
 
 def shard_experts(part: nn.Module, spec: ExpertSpec, mesh: Par3DMesh, **fsdp: Any) -> None:
     """FSDP2 over each module of experts in ``part``, on the ranks that hold the same experts (before the blocks
-    that contain them are wrapped): sharded along each weight's second dimension (the first is split over ``ep``
-    already). FSDP2 averages each gradient over those ``dp / ep`` ranks; the local gradients were scaled by
-    ``1 / ep`` in backward (:func:`_local_view`), so each is the mean over the whole ``dp``."""
+    that contain them are wrapped): sharded along each weight's last dimension that neither ep nor tp splits.
+    FSDP2 averages each gradient over those ``dp / ep`` ranks; the local gradients were scaled by ``1 / ep`` in
+    backward (:func:`_local_view`), so each is the mean over the whole ``dp``."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    def placement(param: Any) -> Shard:  # the last dimension neither ep nor tp splits
+        split = {p.dim for p in param.placements if isinstance(p, (Shard, strided_shard()))}
+        return Shard(max(d for d in range(param.ndim) if d not in split))
+
     for experts in spec.modules_in(part):
-        fully_shard(experts, mesh=mesh["expert_fsdp"], shard_placement_fn=lambda _: Shard(1), **fsdp)
+        fully_shard(experts, mesh=mesh["expert_fsdp"], shard_placement_fn=placement, **fsdp)
 
 
 def _routed(experts: nn.Module, original: Callable[..., Any], group: Any, n_local: int) -> Callable[..., Any]:
@@ -176,7 +192,7 @@ def _local_view(experts: nn.Module, n_local: int) -> Iterator[None]:
     try:
         for name, param in saved.items():
             if isinstance(param, DTensor):
-                ep = param.device_mesh.size()
+                ep = param.device_mesh.size(list(param.device_mesh.mesh_dim_names or ()).index("ep"))
                 experts._parameters[name] = _ScaledGradient.apply(param.to_local(), 1.0 / ep)
         if count is not None:
             setattr(experts, "num_experts", n_local)  # noqa: B010 (an int where nn.Module types attributes as modules)
