@@ -75,7 +75,11 @@ def test_pipelined_with_the_models_own_plan_at_pp2_x_tp2(pool4):
 
 
 def _built(name: str):
-    lm = module(MOE[name])
+    return _built_from(MOE[name])
+
+
+def _built_from(model: dict):
+    lm = module(model)
     lm.configure_model()
     return lm
 
@@ -181,9 +185,24 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_e
     assert_parity(trained, reference("qwen3_moe"))
 
 
+def test_expert_parallel_with_lora_on_the_attention_and_in_bf16_mixed(pool4):
+    """peft LoRA adapters on the attention of a model whose experts are split over ep: one process's trajectory;
+    bf16-mixed at ep=2 within bf16's tolerance of the fp32 run."""
+    from tests.constants import BF16_MIXED_RTOL
+
+    adapted = {**MOE["qwen3_moe"], "lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
+    strategy = dict(dp_shard=4, ep=2)
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=adapted)[0]
+    assert_parity(got, run_reference(adapted))
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE["qwen3_moe"], precision="bf16-mixed")[0]
+    fp32 = reference("qwen3_moe")["losses"]
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], fp32, strict=True)) <= BF16_MIXED_RTOL
+
+
 def test_expert_parallel_refusals():
     """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2. At the model, on every rank
-    before any data moves: a model without experts, and an ep that does not divide the experts."""
+    before any data moves: a model without experts, an ep that does not divide the experts, and experts carrying
+    LoRA adapters (peft's ``target_parameters``)."""
     from lightning_par3d import Par3DConfig
     from lightning_par3d.config import resolve_layout
     from lightning_par3d.parallel.expert_parallel import find_experts
@@ -201,6 +220,9 @@ def test_expert_parallel_refusals():
     with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 experts of each layer .* Use an ep among "
                                          r"\[2, 4\]"):  # fmt: skip
         find_experts(_built("qwen3_moe"), 3)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(ValueError, match=r"ep=2 cannot split experts that carry LoRA adapters \(model.base_model"):
+        find_experts(_built_from({**MOE["qwen3_moe"], "lora": lora}), 2)
     spec = find_experts(_built("qwen3_moe"), 2)
     assert spec.num_experts == 4 and spec.names == tuple(f"model.model.layers.{i}.mlp.experts" for i in (0, 1))
 

@@ -92,6 +92,13 @@ def find_experts(module: nn.Module, ep: int) -> ExpertSpec:
             "expert-parallel plan names (a transformers MoE model's config.base_model_ep_plan, or an `ep_plan` "
             f"attribute with {DISPATCH_STYLE!r} entries). Use ep=1 for this model."
         )
+    adapted = [name for name, sub in found if hasattr(sub, "base_layer")]  # peft's wrapper (target_parameters)
+    if adapted:
+        raise ValueError(
+            f"ep={ep} cannot split experts that carry LoRA adapters ({adapted[0]}, …: peft's `target_parameters` "
+            "wraps the module of experts, whose adapters are not split by expert). Put the adapters on the attention "
+            "and other linear layers (`target_modules`), or train the adapted experts with ep=1 (tp or FSDP2)."
+        )
     counts = {p.shape[0] for _, sub in found for p in sub.parameters(recurse=False)}
     if len(counts) != 1:
         raise ValueError(
