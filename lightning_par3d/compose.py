@@ -268,7 +268,7 @@ def parallelize_stage(
     own = [stage.get_submodule(name) for name in plan.blocks[index]]
     first_index = sum(len(names) for names in plan.blocks[:index])
     units = own if mesh.layout.dp_shard > 1 else []
-    return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index), experts)
+    return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index), experts=experts)
 
 
 def stage_styles(fqn_styles: dict[str, str], stage: nn.Module, trunk_attr: str) -> dict[str, str]:

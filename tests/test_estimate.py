@@ -192,9 +192,9 @@ def test_the_estimate_is_the_runs_own_build(monkeypatch):
     calls: list[tuple[str, int, int]] = []
     real = build.parallelize_part
 
-    def spy(part, mesh, config, precision, fqn_styles, blocks, stage_blocks=None):
+    def spy(part, mesh, config, precision, fqn_styles, blocks, stage_blocks=None, **more):
         calls.append((type(part).__name__, len(fqn_styles), len(blocks)))
-        return real(part, mesh, config, precision, fqn_styles, blocks, stage_blocks)
+        return real(part, mesh, config, precision, fqn_styles, blocks, stage_blocks, **more)
 
     monkeypatch.setattr(build, "parallelize_part", spy)
     estimate_memory(GPTModule(**DEEP), Par3DConfig(pp=2, dp_shard=2, tp=2), 8, (8, 32))

@@ -211,6 +211,7 @@ def test_expert_parallel_refusals():
         (Par3DConfig(dp_shard=4, ep=3), r"ep=3 splits the experts over ranks taken from dp_shard, but dp_shard=4"),
         (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
         (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
+        (Par3DConfig(ep=2, layout="auto"), r"layout='auto' with ep=2: the planner does not choose expert-parallel"),
     ):
         with pytest.raises(ValueError, match=message):
             resolve_layout(config, 4)

@@ -106,6 +106,11 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
     _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
+    if config.layout == "auto" and isinstance(config.ep, int) and config.ep > 1:
+        errors.add(
+            f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
+            f"sizes yourself (e.g. dp_shard a multiple of {config.ep}, ep={config.ep}), or leave ep=1 for the planner."
+        )
     _check_positive_int(errors, "dp_replicate", config.dp_replicate, "data-parallel replicas")
     if config.dp_shard != "auto":
         _check_positive_int(errors, "dp_shard", config.dp_shard, "data-parallel shard size, or 'auto'")
