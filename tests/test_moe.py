@@ -167,22 +167,29 @@ def test_expert_parallel(pool4, name, strategy):
 def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_experts(pool4, tmp_path):
     """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, and between
     dp_shard=2 × tp=2 × ep=2 and ep=4, on the single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2
-    run writes every expert, which ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights."""
+    run writes every expert, which ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights, and so does
+    ``par3d export-hf`` of its checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lightning_par3d.tools.export_hf import main as convert
     from tests.hf_runs import assert_resumes_both_ways
 
     model = MOE["qwen3_moe"]
     assert_resumes_both_ways(pool4, model, dict(dp_shard=4, ep=4), dict(pp=2, dp_shard=2, ep=2), tmp_path)
     cut = dict(dp_shard=2, tp=2, ep=2, tp_plan="auto")  # each expert also cut over tp, interleaved gate and up
     assert_resumes_both_ways(pool4, model, cut, dict(dp_shard=4, ep=4), tmp_path / "cut")
-    export = tmp_path / "exported"
-    trained = pool4.run(run_par3d, strategy=dict(dp_shard=4, ep=2), devices=4, model=model, export_to=str(export))[0]
+    export, checkpoint = tmp_path / "exported", tmp_path / "trained.ckpt"
+    run = dict(devices=4, model=model, export_to=str(export), checkpoint_to=str(checkpoint))
+    trained = pool4.run(run_par3d, strategy=dict(dp_shard=4, ep=2), **run)[0]
     reloaded = AutoModelForCausalLM.from_pretrained(export)
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, trained["params"][f"model.{name}"]), name
     assert_parity(trained, reference("qwen3_moe"))
+    converted = tmp_path / "converted"  # par3d export-hf of the run's checkpoint: the same experts
+    assert convert([str(checkpoint), str(converted), "--config", str(export)]) == 0
+    again = AutoModelForCausalLM.from_pretrained(converted).state_dict()
+    assert all(torch.equal(again[name], value) for name, value in reloaded.state_dict().items())
 
 
 def test_expert_parallel_with_lora_on_the_attention_and_in_bf16_mixed(pool4):
@@ -200,7 +207,8 @@ def test_expert_parallel_with_lora_on_the_attention_and_in_bf16_mixed(pool4):
 
 
 def test_expert_parallel_refusals():
-    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2. At the model, on every rank
+    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2, sequence parallelism or
+    layout='auto'. At the model, on every rank
     before any data moves: a model without experts, an ep that does not divide the experts, and experts carrying
     LoRA adapters (peft's ``target_parameters``)."""
     from lightning_par3d import Par3DConfig
@@ -212,6 +220,7 @@ def test_expert_parallel_refusals():
         (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
         (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
         (Par3DConfig(ep=2, layout="auto"), r"layout='auto' with ep=2: the planner does not choose expert-parallel"),
+        (Par3DConfig(dp_shard=2, tp=2, ep=2, sequence_parallel=True), r"sequence_parallel=True with ep=2: the tp"),
     ):
         with pytest.raises(ValueError, match=message):
             resolve_layout(config, 4)

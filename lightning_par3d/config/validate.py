@@ -106,6 +106,11 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
     _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
+    if config.sequence_parallel is True and isinstance(config.ep, int) and config.ep > 1:
+        errors.add(
+            f"sequence_parallel=True with ep={config.ep}: the tp ranks would route different tokens to the same "
+            "experts, whose gradients par3d does not sum over tp. Use sequence_parallel=False with ep, or ep=1."
+        )
     if config.layout == "auto" and isinstance(config.ep, int) and config.ep > 1:
         errors.add(
             f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
