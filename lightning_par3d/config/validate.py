@@ -105,17 +105,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_auto(config, errors)
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
-    _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
-    if config.sequence_parallel is True and isinstance(config.ep, int) and config.ep > 1:
-        errors.add(
-            f"sequence_parallel=True with ep={config.ep}: the tp ranks would route different tokens to the same "
-            "experts, whose gradients par3d does not sum over tp. Use sequence_parallel=False with ep, or ep=1."
-        )
-    if config.layout == "auto" and isinstance(config.ep, int) and config.ep > 1:
-        errors.add(
-            f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
-            f"sizes yourself (e.g. dp_shard a multiple of {config.ep}, ep={config.ep}), or leave ep=1 for the planner."
-        )
+    _check_expert_static(config, errors)
     _check_positive_int(errors, "dp_replicate", config.dp_replicate, "data-parallel replicas")
     if config.dp_shard != "auto":
         _check_positive_int(errors, "dp_shard", config.dp_shard, "data-parallel shard size, or 'auto'")
@@ -245,6 +235,22 @@ def _check_zero_layout(config: Par3DConfig, layout: Layout, errors: _Errors) -> 
             f"grad_compression={config.grad_compression!r} compresses DDP's gradient all-reduce, which par3d runs "
             f"for pure replication only (zero_stage=0, tp=1, pp=1, more than one replica); here zero_stage={stage}, "
             f"{layout}. Remove grad_compression, or replicate (e.g. zero_stage=0 with tp=1 and pp=1)."
+        )
+
+
+def _check_expert_static(config: Par3DConfig, errors: _Errors) -> None:
+    _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
+    if not isinstance(config.ep, int) or config.ep == 1:
+        return
+    if config.sequence_parallel is True:
+        errors.add(
+            f"sequence_parallel=True with ep={config.ep}: the tp ranks would route different tokens to the same "
+            "experts, whose gradients par3d does not sum over tp. Use sequence_parallel=False with ep, or ep=1."
+        )
+    if config.layout == "auto":
+        errors.add(
+            f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
+            f"sizes yourself (e.g. dp_shard a multiple of {config.ep}, ep={config.ep}), or leave ep=1 for the planner."
         )
 
 
