@@ -192,6 +192,14 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_e
     assert all(torch.equal(again[name], value) for name, value in reloaded.state_dict().items())
 
 
+def test_expert_parallel_clips_the_whole_models_gradient_norm(pool4):
+    """The experts' gradients live on the experts' own mesh (FSDP2 over the ranks sharing them × ep × tp): their
+    norm joins the dense weights' in the one global norm that clipping scales by (0.05: every step clipped)."""
+    strategy = dict(dp_shard=2, tp=2, ep=2, tp_plan="auto")
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE["qwen3_moe"], gradient_clip_val=0.05)[0]
+    assert_parity(got, run_reference(MOE["qwen3_moe"], gradient_clip_val=0.05))
+
+
 def test_expert_parallel_with_lora_on_the_attention_and_in_bf16_mixed(pool4):
     """peft LoRA adapters on the attention of a model whose experts are split over ep: one process's trajectory;
     bf16-mixed at ep=2 within bf16's tolerance of the fp32 run."""
