@@ -345,8 +345,8 @@ def test_a_checkpoint_resumes_at_another_layout_and_the_export_loads_in_transfor
 
 @pytest.mark.parametrize(
     "name, strategy",
-    [("qwen3_moe", dict(dp_shard=2, tp=2)), ("mixtral", dict(pp=2, tp=2))],
-    ids=["qwen3_moe-dp_shard2xtp2", "mixtral-pp2xtp2"],
+    [("qwen3_moe", dict(dp_shard=2, tp=2)), ("mixtral", dict(pp=2, tp=2)), ("qwen3_moe", dict(dp_shard=4, ep=2))],
+    ids=["qwen3_moe-dp_shard2xtp2", "mixtral-pp2xtp2", "qwen3_moe-dp_shard4xep2"],
 )
 def test_a_per_expert_pretrained_checkpoint_is_read_into_each_ranks_expert_shards(pool4, tmp_path, name, strategy):
     """transformers' ``save_pretrained`` writes each expert apart (``experts.0.gate_proj.weight``; Mixtral's

@@ -16,6 +16,7 @@ another form (any other operation, or more than one wildcard) is not read here a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,7 @@ def read_fused(path: str, wanted: dict[str, Any], sources: dict[str, PerExpert])
     block = {key: wanted[key] for key in keys}
     swapped = contiguous_copies(block)  # an interleaved (packed) shard as the contiguous block it is redistributed to
     opened: dict[str, Any] = {}
-    try:
+    with contextlib.ExitStack() as stack:
         for key in keys:
             local, offsets = _local_block(block[key])
             if local.dim() != 3:
@@ -144,12 +145,12 @@ def read_fused(path: str, wanted: dict[str, Any], sources: dict[str, PerExpert])
                     if lo >= hi:
                         continue
                     name = sources[key].key(c, e)
-                    handle = opened.setdefault(files[name], safe_open(files[name], framework="pt"))
+                    if files[name] not in opened:  # each file opened once, closed when all are read
+                        opened[files[name]] = stack.enter_context(safe_open(files[name], framework="pt"))
+                    handle = opened[files[name]]
                     part = handle.get_slice(name)[lo - c * per : hi - c * per, offsets[2] : offsets[2] + local.shape[2]]
                     with torch.no_grad():
                         local[e - offsets[0], lo - offsets[1] : hi - offsets[1]].copy_(part)
-    finally:
-        opened.clear()
     copy_back(swapped)
 
 
