@@ -417,6 +417,28 @@ def test_the_estimate_of_expert_parallel_matches_a_measured_run(pool4):
         assert abs(row.activations - got["activations"]) <= 0.15 * got["activations"], (row, got)
 
 
+def test_a_dry_run_of_expert_parallel_at_64_ranks_holds_the_estimators_model_state(new_interpreter):
+    """``par3d dry-run``'s function: rank 0 of dp_shard=64 × ep=4 builds its shards and runs a step over the fake
+    backend (whose all-to-all delivers nothing: every rank taken to route as this one); its parameters, gradients
+    and optimizer state equal the estimator's (bf16: the estimator's fake grouped_mm)."""
+    import torch
+
+    from lightning_par3d import Par3DConfig, estimate_memory
+    from lightning_par3d.distributed.fakeworld import forget_meshes
+    from lightning_par3d.tools.dry_run import dry_run
+
+    config = Par3DConfig(dp_shard=64, ep=4)
+    batch = torch.randint(0, 256, (2, 33))
+    result = dry_run(
+        module(MOE["qwen3_moe"]), config, 64, (batch[:, :-1], batch[:, 1:]), ranks=[0], precision="bf16-true"
+    )
+    with forget_meshes():
+        row = estimate_memory(module(MOE["qwen3_moe"]), config, 64, (2, 32), precision="bf16-true").rows[0]
+    (ran,) = result.ranks
+    assert (ran.params, ran.grads, ran.optimizer) == (row.state.params, row.state.grads, row.state.optimizer)
+    assert ran.activations_peak > 0
+
+
 def _another_router_loss_on_rank_1(**run: object) -> dict:
     """A pool job: ``padded_runs.run_par3d`` with the model's load-balancing loss doubled on rank 1 only."""
     import os

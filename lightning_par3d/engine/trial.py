@@ -27,15 +27,17 @@ def build_step(
     LightningModule's ``training_step`` (its model built by ``configure_model`` under the engine's init context;
     under pp its declared loss run by the pipeline), or for a model factory ``loss_fn(outputs, targets)`` through
     :meth:`Par3DEngine.train_step <lightning_par3d.engine.Par3DEngine.train_step>` (the batch ``(inputs,
-    targets)``). ``self.log`` has no Trainer to log to here: its warning is silenced."""
+    targets)``). Under ``bf16-true`` (``16-true``) the model is built in that dtype, as Lightning's precision plugin
+    builds it. ``self.log`` has no Trainer to log to here: its warning is silenced."""
     from lightning_par3d.parallel.precision import autocast as autocast_for
+    from lightning_par3d.parallel.precision import built_in
     from lightning_par3d.pipeline.trunk import install_loss
 
     if not hasattr(module, "training_step"):
         if loss_fn is None:
             raise ValueError("Running a plain model's training step needs loss_fn(outputs, targets).")
         if not isinstance(module, nn.Module):
-            with engine.init_context():
+            with engine.init_context(), built_in(engine.precision):
                 module = module()
         model = engine.parallelize(module)
 
@@ -47,7 +49,7 @@ def build_step(
         return model, plain_step
     configure = getattr(module, "configure_model", None)
     if callable(configure):
-        with engine.init_context():
+        with engine.init_context(), built_in(engine.precision):
             configure()
     assert isinstance(module, nn.Module)
     model = engine.parallelize(module)

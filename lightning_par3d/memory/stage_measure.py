@@ -372,19 +372,32 @@ def _block_meters(blocks: list[nn.Module], meter: SavedTensorMeter, sizes: list[
 def _tp_local_shapes(module: nn.Module) -> list[tuple[int, ...]]:
     """Each parameter's shape on tp rank 0 before data parallelism cuts it: what the ZeRO formulas take. A
     parameter FSDP2 has sharded is redistributed to its tensor-parallel placements only (a fake all-gather over its
-    data-parallel mesh dimensions); the ZeRO formulas then cut it as FSDP2 does."""
-    from torch.distributed.tensor import DTensor, Replicate
+    data-parallel mesh dimensions); the ZeRO formulas then cut it as FSDP2 does.
+
+    An expert's weight under ep keeps its ep split too (this rank's experts), and FSDP2 shards it over the
+    ``dp_shard / ep`` ranks holding the same experts along another dimension ``d``: its shape is given as
+    ``(local[d] · ep, the other dims)``, whose chunks over the ``dp_shard`` ranks the formulas take are FSDP2's
+    chunks of ``local[d]`` over ``dp_shard / ep`` ranks, padding included."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     shapes = []
     with torch.no_grad():
         for param in module.parameters():
             local: Tensor = param
+            shape: tuple[int, ...] | None = None
             if isinstance(param, DTensor):
                 names = param.device_mesh.mesh_dim_names or ()
-                kept = [p if name == "tp" else Replicate() for name, p in zip(names, param.placements, strict=True)]
+                split = ("tp", "ep")
+                kept = [p if name in split else Replicate() for name, p in zip(names, param.placements, strict=True)]
                 if tuple(kept) != tuple(param.placements):
                     local = param.redistribute(param.device_mesh, kept)
-            shapes.append(tuple(local_tensor(local).shape))
+                if "ep" in names and "expert_shard" in names:
+                    ep = param.device_mesh.size(names.index("ep"))
+                    fsdp = param.placements[names.index("expert_shard")]
+                    d = fsdp.dim if isinstance(fsdp, Shard) else 0
+                    dims = tuple(local_tensor(local).shape)
+                    shape = (dims[d] * ep, *(n for i, n in enumerate(dims) if i != d))
+            shapes.append(shape if shape is not None else tuple(local_tensor(local).shape))
     return shapes
 
 

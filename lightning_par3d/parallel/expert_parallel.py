@@ -228,9 +228,13 @@ def routed_forward(
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert, so by destination rank
     token_of = order // top_k
-    if is_fake(flat):  # the memory estimator's step: sizes only, the routing taken as balanced
-        send, local_ids = _balanced(len(flat), ep, n_local, flat.device)
+    if is_fake(flat) or dist.get_backend(group) == "fake":
+        # The estimator's step (fake tensors: sizes only) or a dry run (the fake backend's all-to-all delivers
+        # nothing): each rank taken to receive from every other what it sends it, spread evenly over its experts.
+        pairs = len(flat)
+        send = [pairs // ep + (r < pairs % ep) for r in range(ep)] if is_fake(flat) else _per_rank(flat, ep, n_local)
         receive = send
+        local_ids = _spread(receive, n_local, flat.device)
     else:
         counts = torch.bincount(flat, minlength=ep * n_local)
         arriving = torch.empty_like(counts)
@@ -249,12 +253,16 @@ def routed_forward(
     return torch.zeros_like(hidden).index_add(0, token_of, (returned * routing).to(hidden.dtype))
 
 
-def _balanced(pairs: int, ep: int, n_local: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """Balanced routing of ``pairs`` (token, choice) pairs: the rows sent to (and received from) each rank, and the
-    local expert of each row received, in arrival order (from each source, by expert)."""
-    send = [pairs // ep + (r < pairs % ep) for r in range(ep)]
+def _per_rank(flat: torch.Tensor, ep: int, n_local: int) -> list[int]:
+    """How many of the (token, choice) pairs in ``flat`` go to each rank."""
+    return torch.bincount(flat, minlength=ep * n_local).view(ep, n_local).sum(1).tolist()
+
+
+def _spread(rows_from: list[int], n_local: int, device: torch.device) -> torch.Tensor:
+    """The local expert of each row received (``rows_from[s]`` rows from source ``s``, in arrival order), each
+    source's rows spread evenly over the ``n_local`` experts, in expert order (sizes only: no data decides them)."""
     ids = []
-    for rows in send:
+    for rows in rows_from:
         per_expert = [rows // n_local + (e < rows % n_local) for e in range(n_local)]
         ids += [torch.full((n,), e, dtype=torch.long, device=device) for e, n in enumerate(per_expert)]
-    return send, torch.cat(ids)
+    return torch.cat(ids)

@@ -18,6 +18,8 @@ that carry these modes into the Trainer live in :mod:`lightning_par3d.integratio
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,22 @@ def check_precision(precision: str, zero_stage: int) -> None:
             f"{zero_stage} keeps the gradients in its own shards. Use precision='bf16-mixed' (no scaling needed), "
             "or zero_stage 0 or 3."
         )
+
+
+@contextmanager
+def built_in(precision: str) -> Iterator[None]:
+    """Inside, new floating-point tensors default to the dtype of a ``*-true`` precision (bf16 for ``bf16-true``,
+    fp16 for ``16-true``), as Lightning's precision plugin builds the model under those; else nothing changes."""
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision)
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def autocast(precision: str, device_type: str = "cpu") -> Any:
