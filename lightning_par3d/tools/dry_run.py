@@ -232,11 +232,13 @@ def _build(
     (:func:`~lightning_par3d.engine.trial.build_step`); under pp, the stages' shapes set from the batch first (the
     fake process group cannot carry those the stages exchange at a run's first step)."""
     from lightning_par3d.engine.trial import build_step
+    from lightning_par3d.parallel.precision import built_in
     from lightning_par3d.pipeline.runner import STATIC_STAGE_IO
     from lightning_par3d.utils.torch_private import skip_pipeline_metadata_vote
 
     if isinstance(module, nn.Module) and engine.layout.pp > 1:
-        STATIC_STAGE_IO.update(stage_io(module, engine.config, engine.layout, batch))
+        with built_in(engine.precision):  # the stages' shapes and dtypes as the run's (bf16 under bf16-true)
+            STATIC_STAGE_IO.update(stage_io(module, engine.config, engine.layout, batch))
         skip_pipeline_metadata_vote()
     return build_step(engine, module, loss_fn)
 
