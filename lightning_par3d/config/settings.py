@@ -255,7 +255,7 @@ class Par3DConfig:
         if refused:
             raise ValueError(
                 f"par3d does not support context or sequence parallelism yet ({', '.join(refused)}). Set them to 1; "
-                "par3d offers pp, dp_replicate, dp_shard and tp."
+                "par3d offers pp, dp_replicate, dp_shard, tp and ep (experts, as a par3d field: ep=...)."
             )
         mapped = {
             "dp_replicate": getattr(parallelism_config, "dp_replicate_size", None) or 1,
