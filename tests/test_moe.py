@@ -167,8 +167,8 @@ def test_expert_parallel(pool4, name, strategy):
 def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_experts(pool4, tmp_path):
     """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, and between
     dp_shard=2 × tp=2 × ep=2 and ep=4, on the single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2
-    run writes every expert, which ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights, and so does
-    ``par3d export-hf`` of its checkpoint."""
+    run writes every expert, which ``AutoModelForCausalLM.from_pretrained`` loads as the trained weights (its logits
+    one process's trained model's), and so does ``par3d export-hf`` of its checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +185,14 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_e
     reloaded = AutoModelForCausalLM.from_pretrained(export)
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, trained["params"][f"model.{name}"]), name
-    assert_parity(trained, reference("qwen3_moe"))
+    one_process = reference("qwen3_moe")
+    assert_parity(trained, one_process)
+    alone = AutoModelForCausalLM.from_config(reloaded.config)  # the single-process run's trained weights
+    alone.load_state_dict({name.removeprefix("model."): value for name, value in one_process["params"].items()})
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want, got = alone.eval()(ids).logits, reloaded.eval()(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())  # one process's logits
     converted = tmp_path / "converted"  # par3d export-hf of the run's checkpoint: the same experts
     assert convert([str(checkpoint), str(converted), "--config", str(export)]) == 0
     again = AutoModelForCausalLM.from_pretrained(converted).state_dict()
