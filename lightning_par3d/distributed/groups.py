@@ -22,6 +22,7 @@ Both go when the default group does (Lightning and Accelerate destroy it at exit
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -69,6 +70,31 @@ def restart_store(timeout_s: float) -> Any | None:
         timeout=join_timeout(timeout_s),
     )  # fmt: skip
     return dist.PrefixStore(launch, agent)
+
+
+def destroy_groups_at_exit() -> None:
+    """Makes the process destroy every process group (par3d's and the default one) when the interpreter exits, if
+    they still exist then (registered once per process, at a par3d run's setup).
+
+    A process that exits with gloo groups alive can abort in the interpreter's teardown ("terminate called without
+    an active exception", SIGABRT, after the job's work is done): gloo's worker threads still hold finished work
+    whose tensors need the interpreter that is being torn down (torch's own proposal, pytorch#179291, was to
+    register this handler in ``init_process_group``). Lightning's Trainer never destroys the default group, so this
+    hit par3d's Trainer jobs as well as Accelerate's, about one launch in twenty under the test suite's load.
+    Destroying groups is local (no collective), so it cannot hang an exiting rank."""
+    if not _EXIT_HANDLER:
+        atexit.register(_destroy_at_exit)
+        _EXIT_HANDLER.append(True)
+
+
+_EXIT_HANDLER: list[bool] = []
+
+
+def _destroy_at_exit() -> None:
+    _MESHES.clear()
+    _GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # every group: the default one and all those made over it
 
 
 def init_default_group(device: torch.device, timeout_s: float, backend: str | None = None) -> str:

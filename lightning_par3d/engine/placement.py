@@ -121,6 +121,7 @@ class Placement:
         if not self.is_resolved:
             self.resolve(world, device.type)
         self._backend = groups.init_default_group(device, self.config.timeout_s, backend)
+        groups.destroy_groups_at_exit()
         groups.set_collective_timeout(self.config.timeout_s)  # also when a front-end created the group
         faults.new_run()  # a failure of an earlier run in this process is not this run's
         if not self.awaits_layout:
