@@ -16,7 +16,8 @@ equality, which compares layouts and ranks, not process groups: a mesh destroyed
 (or with an equal sub-mesh: the ``tp`` slice of ``dp2 × tp2`` equals that of ``replicate2 × tp2``) would be served
 cached specs that point at the destroyed groups ("Could not resolve the process group registered under the name
 11"). With one group per set of ranks, equal meshes always hold the same groups, so such a cached spec is right.
-Both go when the default group does (Lightning and Accelerate destroy it at exit), or earlier with
+Both go when the default group does (Accelerate's ``end_training`` destroys it; Lightning's Trainer never does, so
+par3d destroys every group when the interpreter exits: :func:`destroy_groups_at_exit`), or earlier with
 :func:`destroy_meshes`.
 """
 
