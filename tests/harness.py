@@ -32,7 +32,6 @@ import faulthandler
 import os
 import queue
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from tests.launch import free_port
 
 RECYCLE_THREADS = 64
 """A worker past this many OS threads is recycled after its job: every gloo group has a transport thread that wakes
@@ -91,12 +92,6 @@ class _Outcome:
     trace: str = ""
     threads: int = 0
     """The worker's OS threads after the job."""
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _os_threads() -> int:
@@ -179,7 +174,7 @@ class DistPool:
 
     def _start(self) -> None:
         ctx = _context()
-        port = _free_port()
+        port = free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         args = [

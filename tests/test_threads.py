@@ -14,29 +14,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from tests import background
 from tests.constants import THREADS_RANKS as RANKS
+from tests.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_THREADS = {"none": None, "user": "3"}
 """Without OMP_NUM_THREADS, and with a user's OMP_NUM_THREADS=3."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(folder: Path, front: str, strategy: str, user_threads: str | None) -> dict[int, dict[str, Any]]:
     """``python tests/threads_script.py`` with its ranks; each rank's threads and ``OMP_NUM_THREADS``."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if user_threads is not None:
         env["OMP_NUM_THREADS"] = user_threads
     command = [sys.executable, "tests/threads_script.py", str(folder), front, strategy]
