@@ -164,6 +164,42 @@ def test_expert_parallel(pool4, name, strategy):
     assert_parity(got, reference(name))
 
 
+@pytest.mark.parametrize(
+    "name, strategy",
+    [
+        ("qwen3_moe", dict(dp_shard=2, tp=2)),
+        ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2)),
+        ("qwen2_moe", dict(dp_shard=2, tp=2)),  # the shared expert's plan entries kept inside the whole region
+        ("mixtral", dict(pp=2, tp=2)),  # the stages exchange sequence shards
+    ],
+    ids=["qwen3_moe-dp_shard2xtp2", "qwen3_moe-dp_shard2xtp2xep2", "qwen2_moe-dp_shard2xtp2", "mixtral-pp2xtp2"],
+)
+def test_sequence_parallel_runs_each_moe_block_on_the_whole_sequence(pool4, name, strategy):
+    """``sequence_parallel=True`` with the model's own plan: the residual stream split along the sequence over tp,
+    each mixture-of-experts block gathering it on entry (``whole_sequence``) so that every tp rank routes the same
+    tokens to its part of each expert (or, with ep, to the ranks holding them), and cutting its summed output back
+    to the rank's shard. The single-process trajectory."""
+    strategy = dict(strategy, tp_plan="auto", sequence_parallel=True)
+    got = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE[name])[0]
+    assert _experts_split(got) == EXPERT_WEIGHTS
+    assert_parity(got, reference(name))
+
+
+def test_the_sequence_parallel_plan_of_a_moe_model_keeps_its_blocks_plan_inside_the_whole_region():
+    from lightning_par3d.parallel.sequence_parallel import sequence_parallel_plan
+    from lightning_par3d.parallel.tensor_parallel import expand_plan, transformers_plan
+
+    lm = _built("qwen2_moe")
+    plain = expand_plan(lm, transformers_plan(lm))
+    plan = sequence_parallel_plan(lm, plain)
+    layer = "model.model.layers.1"
+    assert plan[f"{layer}.mlp"] == "whole_sequence" and plan[f"{layer}.self_attn"] == "gather_sequence"
+    assert plan[f"{layer}.self_attn.o_proj"] == "rowwise_seq"
+    assert plan[f"{layer}.post_attention_layernorm"] == "sequence_parallel"
+    inside = {name: style for name, style in plan.items() if name.startswith(f"{layer}.mlp.")}
+    assert inside == {name: plain[name] for name in inside} and inside[f"{layer}.mlp.experts"] == "moe_tp_experts"
+
+
 def test_an_expert_parallel_checkpoint_resumes_at_another_ep_and_exports_whole_experts(pool4, tmp_path):
     """Saved at dp_shard=4 × ep=4 (one expert a rank), resumed at pp=2 × dp_shard=2 × ep=2 and back, and between
     dp_shard=2 × tp=2 × ep=2 and ep=4, on the single-process trajectory; ``SavePretrained`` of a dp_shard=4 × ep=2
@@ -222,10 +258,9 @@ def test_expert_parallel_with_lora_on_the_attention_and_in_bf16_mixed(pool4):
 
 
 def test_expert_parallel_refusals():
-    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2, sequence parallelism or
-    layout='auto'. At the model, on every rank
-    before any data moves: a model without experts, an ep that does not divide the experts, and experts carrying
-    LoRA adapters (peft's ``target_parameters``)."""
+    """Before any process group: ep not dividing dp_shard, ep beside ZeRO-1/2 or layout='auto'. At the model, on
+    every rank before any data moves: a model without experts, an ep that does not divide the experts, and experts
+    carrying LoRA adapters (peft's ``target_parameters``)."""
     from lightning_par3d import Par3DConfig
     from lightning_par3d.config import resolve_layout
     from lightning_par3d.parallel.expert_parallel import find_experts
@@ -235,7 +270,6 @@ def test_expert_parallel_refusals():
         (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
         (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
         (Par3DConfig(ep=2, layout="auto"), r"layout='auto' with ep=2: the planner does not choose expert-parallel"),
-        (Par3DConfig(dp_shard=2, tp=2, ep=2, sequence_parallel=True), r"sequence_parallel=True with ep=2: the tp"),
     ):
         with pytest.raises(ValueError, match=message):
             resolve_layout(config, 4)

@@ -162,8 +162,8 @@ class Experts(nn.Module):
 class StyleNet(nn.Module):
     """Exercises the styles: vocab- and width-parallel embeddings, replicated norm, colwise→rowwise pairs,
     rowwise_split_input on a replicated input, a sequence-parallel norm between rowwise_seq and colwise_seq, a
-    sequence-parallel region entered by sequence_shard, its MLP gathering once (gather_sequence) and left through a
-    colwise_seq_gather_output head, a packed
+    sequence-parallel region entered by sequence_shard, its MLP gathering once (gather_sequence), another running on
+    the whole sequence under a plain plan (whole_sequence), left through a colwise_seq_gather_output head, a packed
     [gate; up] projection feeding a rowwise one and another feeding a packed_rowwise one, a per-head norm whose
     gradient is summed over the ranks, top-2 of 3 experts cut along their hidden size (moe_tp_experts, its 3-D
     weights split by entries naming them) behind a replicated router, and a gathered head; 4.x names beside 5.x
@@ -192,6 +192,7 @@ class StyleNet(nn.Module):
         self.seq_enter = nn.Identity()  # the first module of a sequence-parallel region: gets its shard
         self.seq_norm = nn.LayerNorm(8)
         self.seq_mlp = SeqMLP()  # gathers the sequence once for its column-wise projection
+        self.seq_whole = SeqMLP()  # runs on the whole sequence under its plain plan, its output cut to the shard
         self.seq_norm2 = nn.LayerNorm(8)
         self.seq_head = nn.Linear(8, 8)
         self.router = nn.Linear(8, 3, bias=False)
@@ -222,6 +223,9 @@ class StyleNet(nn.Module):
         "seq_mlp": "gather_sequence",
         "seq_mlp.fc_in": "colwise",
         "seq_mlp.fc_out": "rowwise_seq",
+        "seq_whole": "whole_sequence",
+        "seq_whole.fc_in": "colwise",
+        "seq_whole.fc_out": "rowwise",
         "seq_norm2": "sequence_parallel",
         "seq_head": "colwise_seq_gather_output",
         "experts": "moe_tp_experts",
@@ -244,6 +248,7 @@ class StyleNet(nn.Module):
         x = x + self.heads_out(h)  # (B, T, 8)
         s = self.seq_enter(x)  # (B, T / tp, 8): this rank's sequence shard
         s = s + self.seq_mlp(self.seq_norm(s))  # (B, T / tp, 8)
+        s = s + self.seq_whole(s)  # (B, T / tp, 8): the whole sequence inside, this rank's shard out
         x = x + self.seq_head(self.seq_norm2(s))  # (B, T, 8): gathered
         flat = x.reshape(-1, 8)
         weights, chosen = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)  # the same on every rank

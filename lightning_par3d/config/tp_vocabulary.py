@@ -46,6 +46,9 @@ transformers model's own plan works as it is:
                               rank; the module gets this rank's sequence shard (the first block's entry).
 ``gather_sequence``           par3d: the module's input is this rank's sequence shard; the module gets the whole
                               sequence, once for all the column-wise projections inside it (attention, MLP).
+``whole_sequence``            par3d: as ``gather_sequence``, and the module's whole output is cut back to this rank's
+                              sequence shard; the plain plan's entries inside it stay as written (a mixture-of-experts
+                              block: its router and experts see every token, as without sequence parallelism).
 ============================  ==========================================================================================
 
 **Entries naming a parameter.** A transformers plan also names parameters that are not modules' weights (a
@@ -83,6 +86,7 @@ CANONICAL_STYLES = (
     "colwise_seq_gather_output",
     "sequence_shard",
     "gather_sequence",
+    "whole_sequence",
 )
 ALIASES = {
     "colwise_rep": "colwise_gather_output",
@@ -131,6 +135,7 @@ SEQUENCE_STYLES = (
     "sequence_parallel",
     "sequence_shard",
     "gather_sequence",
+    "whole_sequence",
 )
 """Styles of a sequence-parallel plan."""
 PACK = 2

@@ -242,11 +242,6 @@ def _check_expert_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
     if not isinstance(config.ep, int) or config.ep == 1:
         return
-    if config.sequence_parallel is True:
-        errors.add(
-            f"sequence_parallel=True with ep={config.ep}: the tp ranks would route different tokens to the same "
-            "experts, whose gradients par3d does not sum over tp. Use sequence_parallel=False with ep, or ep=1."
-        )
     if config.layout == "auto":
         errors.add(
             f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "

@@ -43,7 +43,7 @@ from lightning_par3d.distributed.groups import fake_group
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import SavedTensorMeter
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
-from lightning_par3d.parallel.precision import autocast
+from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
 from lightning_par3d.pipeline.trunk import declared_pipeline
@@ -117,25 +117,20 @@ def measure_stages(
 
 
 def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Module:
-    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in bf16 under
-    ``bf16-true`` (as Lightning's precision plugin builds it), else in the default dtype. A ``.to()`` in the build
-    that changes nothing (``peft`` moves each adapter it makes to its base layer's device) leaves the module as it
-    is (:func:`~lightning_par3d.utils.torch_private.moves_in_place_skipped`)."""
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.get_default_dtype()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cpu"), moves_in_place_skipped():
-            if isinstance(module, nn.Module):
-                with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
-                    built = copy.deepcopy(module)
-                configure = getattr(built, "configure_model", None)
-                if callable(configure):
-                    configure()
-                return built
-            return module()
-    finally:
-        torch.set_default_dtype(previous)
+    """A fresh copy of the model, built under the fake mode by ``configure_model`` (or the factory), in the dtype of
+    a ``*-true`` precision (:func:`~lightning_par3d.parallel.precision.built_in`, as Lightning's precision plugin
+    builds it), else in the default dtype. A ``.to()`` in the build that changes nothing (``peft`` moves each adapter
+    it makes to its base layer's device) leaves the module as it is
+    (:func:`~lightning_par3d.utils.torch_private.moves_in_place_skipped`)."""
+    with built_in(precision), torch.device("cpu"), moves_in_place_skipped():
+        if isinstance(module, nn.Module):
+            with fake_mode_paused():  # a plain copy of the (unconfigured) module and whatever it holds
+                built = copy.deepcopy(module)
+            configure = getattr(built, "configure_model", None)
+            if callable(configure):
+                configure()
+            return built
+        return module()
 
 
 @dataclass

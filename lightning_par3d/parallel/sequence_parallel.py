@@ -14,6 +14,11 @@ Llama's by hand:
   ``colwise`` projections (the attention, the MLP) gathers the sequence once for all of them (``gather_sequence``;
   a ``colwise`` projection directly in the block gathers its own input, ``colwise_seq``); each norm on the residual
   stream runs on the shards, its weights' gradients summed over tp (``sequence_parallel``);
+* a mixture-of-experts block (the parent of ``moe_tp_experts``) runs on the whole sequence (``whole_sequence``:
+  gathered on entry, its whole output cut back to this rank's shard on exit), its router, experts and shared expert
+  planned as the plain plan writes them: every tp rank routes the same tokens, with or without ``ep``. (Its exit
+  takes the shard of an all-reduced output, where a reduce-scatter would move half the bytes: the plain plan's
+  experts sum their partial outputs themselves.)
 * after the last block, a norm does the same, and the LM head gathers the sequence (``colwise_gather_output`` →
   ``colwise_seq_gather_output``, ``colwise`` → ``colwise_seq``).
 
@@ -38,6 +43,9 @@ from lightning_par3d.utils.patterns import repeated_members
 
 IN_BLOCK_KEPT = ("replicated_with_grad_allreduce", "local_params", "replicate")
 """Styles a block may hold inside a gathered region, kept as they are (they see the whole sequence there)."""
+WHOLE_OWNERS = ("moe_tp_experts",)
+"""Styles whose parent runs on the whole sequence (``whole_sequence``): a mixture-of-experts block, whose router
+and tp-split experts must see the same tokens on every tp rank."""
 HEAD_STYLES = {"colwise_gather_output": "colwise_seq_gather_output", "colwise": "colwise_seq"}
 """After the last block: the plain style → the one that gathers the sequence first."""
 
@@ -103,12 +111,19 @@ def _inside(name: str, parent: str) -> bool:
 def _block_entries(module: nn.Module, block: str, plan: dict[str, str]) -> list[str]:
     """Rewrites the entries inside ``block`` in ``plan``; returns what it cannot place."""
     inside = sorted(name for name in plan if _inside(name, block))
+    whole = {name.rsplit(".", 1)[0] for name in inside if plan[name] in WHOLE_OWNERS} - {block}
+    whole = {w for w in whole if not any(_inside(w, other) for other in whole)}
+    problems = [f"{w} ({plan[w]}) holds {WHOLE_OWNERS[0]} experts: it must run on the whole sequence"
+                for w in sorted(whole) if w in plan]  # fmt: skip
+    inside = [name for name in inside if not _in_region(name, whole)]  # kept as the plain plan writes them
     gathered = {name.rsplit(".", 1)[0] for name in inside if plan[name] == "colwise"} - {block}
     gathered = {g for g in gathered if not any(_inside(g, other) for other in gathered)}
-    problems = [_rewrite_entry(name, plan, gathered) for name in inside]
+    problems += [_rewrite_entry(name, plan, gathered) for name in inside]
     for name in gathered:
         plan[name] = "gather_sequence"
-    return [p for p in problems if p] + _residual_stream(module, block, plan, gathered, inside)
+    for name in whole:
+        plan[name] = "whole_sequence"
+    return [p for p in problems if p] + _residual_stream(module, block, plan, gathered | whole, inside)
 
 
 def _in_region(name: str, regions: set[str] | list[str]) -> bool:

@@ -13,8 +13,12 @@ positionally. These styles act on the module's first tensor argument, or ``hidde
   ``Shard(1)`` DTensor from a ``sequence_parallel`` norm); the module gets the whole sequence as a local tensor
   (one all-gather; backward reduce-scatters). On the parent of column-wise projections (attention, MLP), so that
   ``q``, ``k`` and ``v`` share one gather.
+* :class:`WholeSequence` (``whole_sequence``): gathers as ``gather_sequence`` does, and cuts the module's output
+  (whole and the same on every rank, as a plain tensor-parallel plan leaves it) back to this rank's sequence shard
+  (no communication; backward all-gathers the gradient). On a mixture-of-experts block: its router and experts see
+  every token, as without sequence parallelism, so the tp ranks route the same tokens to the same experts.
 
-Both redistribute through DTensor (torch's collectives). Neither touches the module's parameters: the module's own
+All three redistribute through DTensor (torch's collectives). Neither touches the module's parameters: the module's own
 plan entries (and FSDP2) keep theirs. The sequence length must divide by tp: a shard of uneven length would need
 each rank to know the others' lengths, and the error says so at the first step.
 """
@@ -105,3 +109,37 @@ class GatherSequence(_SequenceEdge):
 
         shard = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
         return shard.redistribute(mesh, [Replicate()]).to_local()
+
+
+class WholeSequence(GatherSequence):
+    """This rank's sequence shard → the whole sequence on entry; the whole output → this rank's shard on exit (see
+    the module docstring). The output is a tensor, or a tuple or list whose first item is the hidden states (the rest,
+    a router's logits, say, stays as the module returns it)."""
+
+    name = "whole_sequence"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+
+        def cut(mod: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor):
+                return _shard_of(output, device_mesh)
+            if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+                return type(output)([_shard_of(output[0], device_mesh), *output[1:]])
+            raise TypeError(
+                f"{type(mod).__name__} ({self.name}) returned {type(output).__name__}: it must return the hidden "
+                "states, alone or first in a tuple, to cut back to this rank's sequence shard."
+            )
+
+        module.register_forward_hook(cut)
+        return module
+
+
+def _shard_of(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence shard of a tensor that is whole and the same on every rank (backward: all-gather)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(whole, DTensor):
+        return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()

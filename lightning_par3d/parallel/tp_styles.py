@@ -72,6 +72,7 @@ def build_style(style: str, module: nn.Module, params: dict[str, str] | None = N
         "replicate": _replicate_style,
         "sequence_shard": tp_sequence_styles.SequenceShard,
         "gather_sequence": tp_sequence_styles.GatherSequence,
+        "whole_sequence": tp_sequence_styles.WholeSequence,
     }
     if style in custom:
         return custom[style]()
