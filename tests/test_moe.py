@@ -316,18 +316,49 @@ def test_the_router_loss_is_the_global_batchs(pool, strategy):
     assert_parity(got, router_loss_reference())
 
 
-def test_the_router_loss_is_refused_where_the_global_batch_is_more_than_one_forward(pool2):
-    """With accumulation the first batch's backward runs before the others are routed; under pp the stages never
-    run the model's forward, where the loss is added: both refused, naming the fix, on every rank."""
+@pytest.mark.parametrize(
+    "pool, strategy",
+    [(2, dict(dp_shard=2)), (4, dict(dp_shard=4, ep=2))],
+    indirect=["pool"],
+    ids=["dp_shard2", "dp_shard4xep2"],
+)
+def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, strategy):
+    """With 2 batches per step the counts run over the window: its second batch is routed ahead at the first (one
+    forward without gradients), and checked as it trains. One process's trajectory on the whole global batch."""
+    run = dict(strategy=strategy, devices=pool.world_size, side="right", module=padded_runs.OwnLossLM)
+    got = pool.run(padded_runs.run_par3d, model=ROUTER_LOSS, accumulate=2, **run)[0]
+    assert_parity(got, accumulated_router_loss_reference())
+
+
+@functools.cache
+def accumulated_router_loss_reference() -> dict:
+    return padded_runs.run_reference("right", padded_runs.OwnLossLM, accumulate=2, model=ROUTER_LOSS)
+
+
+JITTERED = {
+    "architecture": "mixtral",
+    "config_overrides": {**MOE["mixtral"]["config_overrides"], "output_router_logits": True,
+                         "router_aux_loss_coef": 0.1, "router_jitter_noise": 0.1},
+}  # fmt: skip
+"""Mixtral with its router's loss and random jitter on the router's input in training."""
+
+
+def test_the_router_loss_is_refused_where_par3d_cannot_see_the_global_batch(pool2):
+    """Accumulated batches not read ahead (``loss_mean='microbatches'``), a router whose choices are random (a later
+    batch routes otherwise in training than ahead), and pipeline stages (which never run the model's forward, where
+    the loss is added): each refused, naming the fix, on every rank."""
     from tests.harness import RankError
 
-    for strategy, accumulate, lm, message in (
-        (dict(dp_shard=2), 2, padded_runs.OwnLossLM, "accumulated batches par3d cannot route"),
-        (dict(pp=2), 1, padded_runs.PaddedLM, "under pp > 1 the loss would be left out"),
-    ):
+    for strategy, accumulate, lm, model, message in (
+        (dict(dp_shard=2, loss_mean="microbatches"), 2, padded_runs.OwnLossLM, ROUTER_LOSS,
+         "par3d routes ahead from the"),
+        (dict(dp_shard=2), 2, padded_runs.OwnLossLM, JITTERED, "batch 2 of the accumulation window routed its tokens "
+         "otherwise than when par3d routed it ahead .* router jitter noise"),
+        (dict(pp=2), 1, padded_runs.PaddedLM, ROUTER_LOSS, "under pp > 1 the loss would be left out"),
+    ):  # fmt: skip
         with pytest.raises(RankError, match=message):
             run = dict(strategy=strategy, devices=2, side="right", module=lm)
-            pool2.run(padded_runs.run_par3d, accumulate=accumulate, model=ROUTER_LOSS, max_steps=1, **run)
+            pool2.run(padded_runs.run_par3d, accumulate=accumulate, model=model, max_steps=1, **run)
 
 
 # ---------------------------------------------------------------- other front-ends, checkpoints, export

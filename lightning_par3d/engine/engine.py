@@ -167,9 +167,7 @@ class Par3DEngine:
         if self.layout.pp > 1:
             router_loss.refuse_under_pipelining(module)
         else:
-            placement = self.placement
-            dp_group = (lambda: placement.dp_group()) if placement.dp_size > 1 else (lambda: None)
-            router_loss.install(module, placement.dp_size, dp_group, lambda: self.accumulate_grad_batches)
+            router_loss.install_for(module, self.placement, lambda: self.accumulate_grad_batches, self.token_mean)
         self.attach_metrics(module)
 
     @property

@@ -18,8 +18,20 @@ tokens).
 The model calls its module's ``load_balancing_loss_func`` by name inside its ``forward``; par3d's version stands in
 for it there, during that model's training forwards only (:func:`install`), and its local sums are checked once
 against the model's own function on the same rows, so a model whose loss differs is refused rather than trained on
-another loss. Where the global batch is more than one forward (gradient accumulation, pipeline microbatches), the
-counts of the batches not run yet are unknown when the first one's backward runs: refused, naming the fix.
+another loss.
+
+**Accumulated batches.** With ``w`` batches per optimizer step the sums run over the whole window, but the first
+batch's backward runs before the others are routed. At a window's first batch par3d therefore routes the others
+ahead: each runs through the model's ``forward`` once without gradients (the window's batches are read ahead for the
+token mean already, :class:`~lightning_par3d.engine.tokens.TokenWindows`), which records its counts and rows only;
+the random state is kept, so training draws what it would have. The window's sums are then one all-reduce, and each
+batch's term is ``w · dp · E · Σ_e c_e · p_e / R²`` (the token mean's share: the front-end's backward takes ``1/w``).
+That costs one forward without gradients for each batch after a window's first. The model's inputs for a later batch
+are found as the first batch's: each tensor the model got is matched to the tensor of the batch equal to it, and
+the same places of the later batch are given. When each later batch trains, its own counts are checked against
+what routing it ahead counted, on every rank alike: a model whose routing is random (dropout, router jitter) or
+whose inputs are not the batch's tensors is refused rather than trained on another loss. Under pipelining the
+stages never run the model's ``forward``, where the loss is added: refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from torch import nn
 
 from lightning_par3d.utils.model_changes import set_attribute
 from lightning_par3d.utils.patterns import find_transformers_model
+from lightning_par3d.utils.torch_private import batch_leaves, batch_to
 
 _ORIGINAL = "_par3d_model_forward"
 """The attribute of par3d's forward that holds the model's own (bound) one."""
@@ -43,11 +56,20 @@ OWN_FUNCTION = "load_balancing_loss_func"
 """The function a transformers MoE model's module defines and its ``forward`` calls by this name."""
 
 
-def install(module: nn.Module, dp: int, dp_group: Callable[[], Any], accumulation: Callable[[], int]) -> bool:
+def install(
+    module: nn.Module,
+    dp: int,
+    dp_group: Callable[[], Any],
+    accumulation: Callable[[], int],
+    window: Callable[[], Any] = lambda: None,
+    prepare: Callable[[Any], Any] = lambda batch: batch,
+) -> bool:
     """Makes the load-balancing loss of the transformers MoE model in ``module`` (pp = 1) the global batch's (see
     the module docstring); whether there was one to make. ``dp_group()``: the data-parallel group (None for one
-    rank); ``accumulation()``: the batches per optimizer step. Installing again (another engine) wraps the model's
-    own ``forward``, not the earlier wrapper."""
+    rank); ``accumulation()``: the batches per optimizer step; ``window()``: the training batch's
+    :class:`~lightning_par3d.engine.tokens.BatchTokens` (None without the token mean's read-ahead); ``prepare``: a
+    batch as read → as the model gets it (on the device). Installing again (another engine) wraps the model's own
+    ``forward``, not the earlier wrapper."""
     found = find_transformers_model(module)
     if found is None:
         return False
@@ -57,17 +79,28 @@ def install(module: nn.Module, dp: int, dp_group: Callable[[], Any], accumulatio
     if home is None or not callable(own):
         return False
     forward = getattr(model.forward, _ORIGINAL, model.forward)  # (not __wrapped__: transformers' decorators set it)
-    state = _GlobalRouterLoss(own, dp, dp_group, accumulation)
+    state = _GlobalRouterLoss(own, dp, dp_group, accumulation, window)
 
     def global_loss_forward(*args: Any, **kwargs: Any) -> Any:
         if not (model.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         with _standing_in(home, state):
+            entry = window() if accumulation() > 1 else None
+            if entry is not None and entry.index == 0:
+                state.route_ahead(forward, args, kwargs, entry, prepare)
             return forward(*args, **kwargs)
 
     setattr(global_loss_forward, _ORIGINAL, forward)
     set_attribute(model, "forward", global_loss_forward)
     return True
+
+
+def install_for(module: nn.Module, placement: Any, accumulation: Callable[[], int], token_mean: Any) -> bool:
+    """:func:`install` with an engine's placement (its data-parallel ranks and device) and token mean (None when
+    ``loss_mean`` is not ``"tokens"``: no window is read ahead)."""
+    dp_group = (lambda: placement.dp_group()) if placement.dp_size > 1 else (lambda: None)
+    window = (lambda: token_mean.current) if token_mean is not None else (lambda: None)
+    return install(module, placement.dp_size, dp_group, accumulation, window, lambda b: batch_to(b, placement.device))
 
 
 @contextmanager
@@ -82,31 +115,74 @@ def _standing_in(home: Any, state: _GlobalRouterLoss) -> Iterator[None]:
 
 class _GlobalRouterLoss:
     """``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)`` of the global batch: this rank's
-    term, ``dp · E · Σ_e c_e · p_e / R²`` (see the module docstring)."""
+    term, ``w · dp · E · Σ_e c_e · p_e / R²`` (see the module docstring)."""
 
-    def __init__(self, own: Callable[..., Any], dp: int, dp_group: Callable[[], Any], accumulation: Callable[[], int]):
-        self.own, self.dp, self.dp_group, self.accumulation = own, dp, dp_group, accumulation
+    def __init__(self, own: Callable[..., Any], dp: int, dp_group: Callable[[], Any], accumulation: Callable[[], int],
+                 window: Callable[[], Any]) -> None:  # fmt: skip
+        self.own, self.dp, self.dp_group, self.accumulation, self.window = own, dp, dp_group, accumulation, window
         self.checked = False
+        self.recording: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """While routing ahead: each later batch's counts and rows, in order."""
+        self.ahead: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """The window's later batches' counts and rows as routed ahead, checked as each trains."""
+        self.totals: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The window's counts and rows, summed over its batches and the data-parallel ranks."""
+
+    def route_ahead(self, forward: Callable[..., Any], args: tuple, kwargs: dict, entry: Any,
+                    prepare: Callable[[Any], Any]) -> None:  # fmt: skip
+        """Runs the window's later batches (``entry.later``) through the model without gradients, recording their
+        counts and rows (see the module docstring)."""
+        places = _places(prepare(entry.batch), args, kwargs)
+        self.recording = []
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                for batch in entry.later:
+                    later_args, later_kwargs = _given(places, prepare(batch), args, kwargs)
+                    forward(*later_args, **later_kwargs)
+            self.ahead = self.recording
+        finally:
+            self.recording = None
 
     def __call__(self, gate_logits: Any, num_experts: int | None = None, top_k: int = 2,
                  attention_mask: torch.Tensor | None = None) -> Any:  # fmt: skip
         if gate_logits is None or not isinstance(gate_logits, tuple) or num_experts is None:
             return self.own(gate_logits, num_experts, top_k, attention_mask)
-        if self.accumulation() > 1:
+        counts, probs, rows = _sums(gate_logits, num_experts, top_k, attention_mask)
+        if self.recording is not None:  # a later batch routed ahead: its counts only
+            self.recording.append((counts, rows.detach()))
+            return probs.new_zeros(())
+        w = self.accumulation()
+        entry = self.window() if w > 1 else None
+        if w > 1 and entry is None:
             raise ValueError(
                 f"The model's router load-balancing loss (output_router_logits=True) is a product of two means over "
-                f"the global batch, whose {self.accumulation()} accumulated batches par3d cannot route before the "
-                "first one's backward. Drop the accumulation (a larger batch per step), or set "
-                "output_router_logits=False."
+                f"the global batch, whose {w} accumulated batches par3d routes ahead from the dataloader it reads "
+                "ahead for the token mean; this batch came from none (loss_mean='microbatches', or a loop par3d did "
+                "not set up). Use loss_mean='tokens' (the default) with the front-end's dataloader, drop the "
+                "accumulation, or set output_router_logits=False."
             )
-        counts, probs, rows = _sums(gate_logits, num_experts, top_k, attention_mask)
+        if entry is not None and entry.index > 0:
+            window_counts, window_rows = self._checked_later(entry.index, counts, rows)
+            batches = entry.batches
+        else:
+            window_counts, window_rows = self._summed(gate_logits, num_experts, top_k, attention_mask, counts, probs,
+                                                      rows)  # fmt: skip
+            batches = entry.batches if entry is not None else 1
+        c, r = window_counts.to(probs.dtype), window_rows.to(probs.dtype)
+        return batches * self.dp * num_experts * (c * probs).sum() / r**2
+
+    def _summed(self, gate_logits: tuple, num_experts: int, top_k: int, attention_mask: Any, counts: torch.Tensor,
+                probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The window's counts and rows (this batch's and those routed ahead), summed over the data-parallel ranks in
+        one all-reduce, with (the first time) how many ranks found the model's own loss different."""
         differs = None
         if not self.checked:
             self.checked = True
             differs = self._differs(gate_logits, num_experts, top_k, attention_mask, counts, probs, rows)
-        # One all-reduce: the counts, the rows, and (the first time) how many ranks found a different loss, so that
-        # every rank raises alike rather than some waiting in the next collective.
-        summed = torch.cat([counts, rows.reshape(1), counts.new_tensor([float(differs is not None)])])
+        local_counts = counts + sum((c for c, _ in self.ahead), torch.zeros_like(counts))
+        local_rows = rows.detach() + sum((r for _, r in self.ahead), torch.zeros_like(rows))
+        summed = torch.cat([local_counts, local_rows.reshape(1), counts.new_tensor([float(differs is not None)])])
         summed = summed.to(torch.float64)
         group = self.dp_group()
         if group is not None:
@@ -118,8 +194,27 @@ class _GlobalRouterLoss:
                 "load-balancing loss the global batch's. Set output_router_logits=False, or train with one "
                 "data-parallel rank."
             )
-        counts_all, rows_all = summed[:-2].to(probs.dtype), summed[-2].to(probs.dtype)
-        return self.dp * num_experts * (counts_all * probs).sum() / rows_all**2
+        self.totals = (summed[:-2], summed[-2])
+        return self.totals
+
+    def _checked_later(self, index: int, counts: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The window's sums, after checking (with every data-parallel rank, so all raise alike) that this later
+        batch routed as routing it ahead did."""
+        expected = self.ahead[index - 1] if index - 1 < len(self.ahead) and self.totals is not None else None
+        same = expected is not None and torch.equal(expected[0], counts) and torch.equal(expected[1], rows.detach())
+        flag = torch.tensor([float(not same)], dtype=torch.float64, device=counts.device)
+        group = self.dp_group()
+        if group is not None:
+            dist.all_reduce(flag, group=group)
+        if flag.item() > 0 or self.totals is None:
+            raise ValueError(
+                f"The model's router load-balancing loss over the global batch: batch {index + 1} of the accumulation "
+                "window routed its tokens otherwise than when par3d routed it ahead (on this or another "
+                "data-parallel rank): the model's routing is random (dropout, router jitter noise) or it got inputs "
+                "that are not the batch's tensors. Set those to 0, drop the accumulation, or set "
+                "output_router_logits=False."
+            )
+        return self.totals
 
     def _differs(self, gate_logits: tuple, num_experts: int, top_k: int, attention_mask: Any, counts: torch.Tensor,
                  probs: torch.Tensor, rows: torch.Tensor) -> str | None:  # fmt: skip
@@ -131,6 +226,41 @@ class _GlobalRouterLoss:
         if torch.allclose(torch.as_tensor(own, dtype=mine.dtype), mine, rtol=1e-5, atol=1e-7):
             return None
         return f"{float(own):.6g} against {float(mine):.6g} on this rank's routing"
+
+
+def _places(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
+    """Where each tensor argument of the model's call is in ``batch`` (the index of the batch's tensor equal to it,
+    among its flattened leaves); raises naming an argument that is none of the batch's tensors."""
+    leaves = batch_leaves(batch)
+    places: dict[str | int, int] = {}
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if not isinstance(value, torch.Tensor):
+            continue
+        found = next((i for i, leaf in enumerate(leaves) if leaf is value), None)
+        if found is None:
+            found = next(
+                (i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.shape == value.shape
+                 and leaf.dtype == value.dtype and leaf.device == value.device and torch.equal(leaf, value)),
+                None,
+            )  # fmt: skip
+        if found is None:
+            raise ValueError(
+                f"The model's router load-balancing loss over accumulated batches routes each window's later batches "
+                f"ahead with the inputs the model got from the first, but its argument {key!r} is none of the "
+                "batch's tensors (computed in training_step?). Pass the batch's tensors to the model, drop the "
+                "accumulation, or set output_router_logits=False."
+            )
+        places[key] = found
+    return places
+
+
+def _given(places: dict[str | int, int], batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's arguments for ``batch``: the first batch's call with each tensor replaced by ``batch``'s at its
+    place (:func:`_places`)."""
+    leaves = batch_leaves(batch)
+    new_args = tuple(leaves[places[i]] if i in places else a for i, a in enumerate(args))
+    new_kwargs = {k: leaves[places[k]] if k in places else v for k, v in kwargs.items()}
+    return new_args, new_kwargs
 
 
 def _sums(gate_logits: tuple, num_experts: int, top_k: int,

@@ -59,6 +59,10 @@ class BatchTokens:
     """``w``: the batches of the accumulation window (fewer than the accumulation for an epoch's last window)."""
     counted: int
     """This rank's real tokens in this batch, as the window counted them."""
+    index: int = 0
+    """Its place in its window; ``batch``: it as read; ``later``: at a window's first, the others (routed ahead)."""
+    batch: Any = None
+    later: tuple[Any, ...] = ()
 
 
 def real_tokens(targets: Any, ignore_index: int) -> torch.Tensor:
@@ -237,13 +241,13 @@ class TokenMean:
 
 @dataclass
 class _Window:
-    """One accumulation window as read ahead: each batch's count on this rank (or why it could not be counted), and
-    the window's total over the data-parallel ranks once its first batch is trained."""
+    """One accumulation window as read ahead: each batch's count on this rank (or why it could not be counted), the
+    window's total over the data-parallel ranks once its first batch is trained, its batches until its last is."""
 
     counts: list[int]
     error: Exception | None = None
     total: int | None = None
-    entries: deque[int] = field(default_factory=deque)
+    read: list[Any] = field(default_factory=list)
 
 
 class TokenWindows:
@@ -293,14 +297,16 @@ class TokenWindows:
             if summed[1].item() > 0:
                 raise RuntimeError("loss_mean='tokens': another data-parallel rank could not count its batch's tokens.")
             window.total = int(summed[0].item())
-        return BatchTokens(window.total, len(window.counts), window.counts[index])
+        read, later = window.read, tuple(window.read[1:]) if index == 0 else ()
+        window.read = read if index < len(read) - 1 else []  # the window's last batch: not held any longer
+        return BatchTokens(window.total, len(window.counts), window.counts[index], index, read[index], later)
 
     def _count(self, read: list[Any]) -> _Window:
         try:
             shift, where, ignore = self.shift(), self.tokens.where, self.tokens.ignore_index
-            return _Window([int(real_tokens(batch_targets(b, where, shift), ignore)) for b in read])
+            return _Window([int(real_tokens(batch_targets(b, where, shift), ignore)) for b in read], read=read)
         except (ValueError, TypeError) as error:
-            return _Window([0] * len(read), error)
+            return _Window([0] * len(read), error, read=read)
 
     def pending(self) -> bool:
         """Whether batches it yielded wait for their training step."""
