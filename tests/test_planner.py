@@ -146,6 +146,40 @@ def test_memory_is_the_estimators_with_checkpointing_and_bf16_and_deeper_pipelin
         assert row.memory == got, row.describe()
 
 
+def test_estimates_that_share_stage_measures_equal_their_own_and_measure_fewer_stages(monkeypatch):
+    """The planner's estimates share each stage role's measures by depth where the settings they depend on agree
+    (:class:`~lightning_par3d.memory.stage_measure.SharedMeasures`): layouts that differ in their stage count,
+    schedule or data-parallel split measure a role's blocks once, and every estimate equals the one it makes alone."""
+    from lightning_par3d.memory import stage_measure
+
+    calls = {"n": 0}
+    own_measure = stage_measure._Part.measure
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return own_measure(*args, **kwargs)
+
+    monkeypatch.setattr(stage_measure._Part, "measure", counted)
+    configs = [
+        Par3DConfig(pp=2, dp_shard=2, microbatches=2),
+        Par3DConfig(pp=2, dp_shard=2, microbatches=2, pipeline_schedule="gpipe"),  # another schedule: no new measure
+        Par3DConfig(pp=4, microbatches=4, activation_checkpointing="full"),
+        Par3DConfig(pp=4, microbatches=4, activation_checkpointing="full", pipeline_schedule="gpipe"),
+    ]
+    shared, module = stage_measure.SharedMeasures(), GPTModule(**DEEP)
+    together, alone = {"n": 0}, {"n": 0}
+    for config in configs:
+        batch = (BATCH // resolve_layout(config, 4).dp, SEQ)
+        estimates = []
+        for count, measures in ((together, shared), (alone, None)):
+            before = calls["n"]
+            with forget_meshes():
+                estimates.append(estimate_memory(module, config, 4, batch, shared_measures=measures))
+            count["n"] += calls["n"] - before
+        assert estimates[0] == estimates[1], config
+    assert 0 < together["n"] < alone["n"], (together, alone)
+
+
 def test_rejected_layouts_carry_their_reason(tables):
     table = tables[8]
     reasons = {row.describe(): row.reason for row in table.rejected}

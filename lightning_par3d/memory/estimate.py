@@ -41,7 +41,7 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.distributed.fakeworld import garbage_kept
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import ModelStateBytes
-from lightning_par3d.memory.stage_measure import measure_stages
+from lightning_par3d.memory.stage_measure import SharedMeasures, measure_stages
 from lightning_par3d.parallel.precision import check_precision
 from lightning_par3d.pipeline.actions import Action, pipeline_actions, schedule_peak
 from lightning_par3d.zero.formula import OPTIMIZER_STATE_LAYOUTS, model_state_formula
@@ -157,6 +157,7 @@ def estimate_memory(
     precision: str = "32-true",
     optimizer: str = "adamw",
     loss_fn: Callable[..., Tensor] | None = None,
+    shared_measures: SharedMeasures | None = None,
 ) -> MemoryEstimate:
     """Estimates each rank's memory for training ``module`` at ``config`` on ``world_size`` ranks.
 
@@ -166,6 +167,9 @@ def estimate_memory(
     data-parallel rank's batch: tensors (real or meta; only shapes and dtypes are read) or a shape ``(B, T)`` of
     integer tokens, used as inputs and targets.
     ``optimizer`` names the optimizer's state layout (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``).
+    ``shared_measures``: one :class:`~lightning_par3d.memory.stage_measure.SharedMeasures` given to many estimates
+    of the same ``module``, ``batch``, ``precision`` and ``loss_fn`` (the planner's layouts), which then measure each
+    stage role's blocks once where their settings agree.
 
     Call it before launching, in a process without a default process group: it creates and destroys a fake one.
     """
@@ -188,7 +192,7 @@ def estimate_memory(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
         with garbage_kept(), _fake_grouped_mm_explained(precision):
-            stages = measure_stages(module, config, layout, batch, micro, precision, loss_fn)
+            stages = measure_stages(module, config, layout, batch, micro, precision, loss_fn, shared_measures)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []
     for pp_rank in range(layout.pp):

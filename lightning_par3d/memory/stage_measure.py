@@ -88,10 +88,12 @@ def measure_stages(
     micro: int,
     precision: str,
     loss_fn: Callable[..., Tensor] | None,
+    shared: SharedMeasures | None = None,
 ) -> list[StageMeasure]:
     """Each pipeline stage (or the whole model) built, parallelized and run for one microbatch on fake tensors.
     One fake process group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp
-    coordinate only, and dp_shard rank 0 holds the largest shards."""
+    coordinate only, and dp_shard rank 0 holds the largest shards. ``shared``: the measures by depth of earlier
+    estimates of this model (:class:`SharedMeasures`)."""
     fake = fake_tensor_mode()
     with fake:
         inputs = _fake_batch(batch)
@@ -107,7 +109,7 @@ def measure_stages(
         # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
         mesh = Par3DMesh.build(layout, "cpu", fake_group)
         built = _OneBuild(module, precision)
-        by_depth: dict[tuple[bool, bool, int], StageMeasure] = {}
+        by_depth = {} if shared is None else shared.of(config, layout, microbatch, precision, loss_fn)
         for stage in range(layout.n_stages):
             part = _Part(built, config, mesh, stage, precision, fake)
             result = part.measure_by_depth(carried, microbatch, loss_fn, by_depth)
@@ -179,6 +181,36 @@ def _signature(block: nn.Module) -> tuple[Any, ...]:
         and isinstance(value, (bool, int, float, str, type(None)))
     )
     return modules, tensors, buffers, settings
+
+
+class SharedMeasures:
+    """Measures by depth (a role's stage of one and two blocks) shared between the estimates of one model, batch
+    and precision: the planner's many layouts. A measure depends on the tensor-parallel plan and degree, the
+    experts' split, sequence parallelism, checkpointing, the data-parallel engine, the precision and the
+    microbatch, not on how many stages there are or how the data-parallel ranks are split, so layouts that differ
+    only there measure a role's blocks once. Everything else in the configuration is part of the key; the plan's
+    tests compare its memory with the estimator's own, layout by layout."""
+
+    _EXCLUDED = frozenset({"dp_replicate", "dp_shard", "dp", "zero_stage", "pp", "pipeline_schedule", "microbatches",
+                           "virtual_stages", "reshard_after_forward", "timeout_s", "seed", "layout", "plan_machine",
+                           "plan_device_memory", "global_batch", "measure", "plan_batch", "elastic",
+                           "async_save"})  # fmt: skip
+    """Settings a stage's measure by depth does not depend on (the layout's own figures stand for the ZeRO stage,
+    the data-parallel engine and resharding)."""
+
+    def __init__(self) -> None:
+        self._measures: dict[tuple[Any, ...], dict[tuple[bool, bool, int], StageMeasure]] = {}
+
+    def of(self, config: Par3DConfig, layout: Layout, microbatch: list[Any], precision: str,
+           loss_fn: Any) -> dict[tuple[bool, bool, int], StageMeasure]:  # fmt: skip
+        """The measures by role and depth of estimates like this one (filled as they are measured)."""
+        settings = tuple((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
+                         if f.name not in self._EXCLUDED)  # fmt: skip
+        shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else repr(t) for t in microbatch)
+        data_parallel = (layout.data_parallel, layout.zero, layout.dp_shard > 1, layout.dp_replicate > 1)
+        sizes = (layout.pp > 1, layout.tp, layout.ep, layout.dp_shard if layout.ep > 1 else None)
+        key = (settings, shapes, data_parallel, sizes, layout.reshard_after_forward, precision, loss_fn)
+        return self._measures.setdefault(key, {})
 
 
 @dataclass
@@ -308,7 +340,9 @@ class _Part:
             build.parallelize_stage(
                 part, plan, self.stage, self.mesh, config, self.precision, fqn_styles, spec.trunk, experts
             )
-        inputs = carried if self.stage == 0 else torch.empty_like(carried, requires_grad=True)
+        # (a shape, not a view of another stage's output: a measure shared between estimates carries a fake tensor
+        # of another estimate's fake mode)
+        inputs = carried if self.stage == 0 else torch.empty(carried.shape, dtype=carried.dtype, requires_grad=True)
         last = self.stage == layout.n_stages - 1
 
         def run() -> Any:

@@ -32,6 +32,7 @@ from lightning_par3d.config.schedules import V_SCHEDULES
 from lightning_par3d.distributed.fakeworld import forget_meshes, keep_excepthook
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.estimate import MemoryEstimate, RankEstimate, estimate_memory
+from lightning_par3d.memory.stage_measure import SharedMeasures
 from lightning_par3d.parallel.precision import element_bytes
 from lightning_par3d.pipeline.actions import pipeline_actions, schedule_peak
 from lightning_par3d.planning.probe import StageParams
@@ -51,6 +52,8 @@ class MemoryModel:
     params_of: Callable[[Layout], list[StageParams]]
     """The tensor-parallel shapes of every stage of a layout (cached by the caller)."""
     estimator_calls: int = 0
+    shared: SharedMeasures = field(default_factory=SharedMeasures)
+    """The stage measures the estimator runs share (:class:`~lightning_par3d.memory.stage_measure.SharedMeasures`)."""
     _classes: dict[tuple[Any, ...], MemoryEstimate] = field(default_factory=dict)
     _exact_only: set[tuple[Any, ...]] = field(default_factory=set)
 
@@ -107,6 +110,7 @@ class MemoryModel:
                 precision=self.precision,
                 optimizer=self.optimizer,
                 loss_fn=self.loss_fn,
+                shared_measures=self.shared,
             )
 
     def compose(self, known: MemoryEstimate, config: Par3DConfig, layout: Layout, rank_batch: int) -> MemoryEstimate:
