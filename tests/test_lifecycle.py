@@ -313,6 +313,38 @@ def test_fabric_resume_at_another_layout(pool4, tmp_path, before, after):
 # ---------------------------------------------------------------- releasing the meshes
 
 
+AT_EXIT_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+from lightning_par3d.distributed import groups
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+atexit.register(lambda: print("groups at exit:", dist.is_initialized(), len(handlers), flush=True))
+handlers = []
+original = atexit.register
+atexit.register = lambda f, *a, **k: handlers.append(f) or original(f, *a, **k)
+groups.destroy_groups_at_exit()
+groups.destroy_groups_at_exit()  # once per process however many runs set up
+atexit.register = original
+dist.new_group([0])
+print("trained", flush=True)
+"""
+
+
+def test_a_process_that_ran_par3d_destroys_its_process_groups_at_exit(new_interpreter):
+    """The exit handler a run's setup registers (once per process) destroys the default group and every group made
+    over it before the interpreter is torn down, which a job that leaves gloo groups alive (Lightning's Trainer
+    never destroys the default one) could abort in ("terminate called without an active exception"). A handler
+    registered before it runs after it (atexit runs last in, first out) and sees no group."""
+    import sys
+
+    from tests.launch import free_port
+
+    done = new_interpreter([sys.executable, "-c", AT_EXIT_SCRIPT, str(free_port())], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["trained", "groups", "at", "exit:", "False", "1"], done.stdout
+
+
 def test_destroy_meshes_releases_the_groups_threads(new_interpreter):
     """par3d keeps one mesh per layout for the life of the process (DTensor's caches), and
     ``groups.destroy_meshes()`` gives their process groups and transport threads back. A fresh 2-process job
