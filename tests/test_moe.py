@@ -330,6 +330,28 @@ def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, str
     assert_parity(got, accumulated_router_loss_reference())
 
 
+def test_a_model_without_its_router_loss_is_not_routed_ahead(monkeypatch):
+    """Routing ahead costs a forward of each later batch: only where the model adds its router's loss
+    (``output_router_logits``, in its config or the call), never for a MoE model trained without it."""
+    import torch
+
+    from lightning_par3d.engine import router_loss
+    from lightning_par3d.engine.tokens import BatchTokens
+
+    lm = _built("qwen3_moe")
+    ids = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": ids}
+    entry = BatchTokens(total=16, batches=2, counted=8, index=0, batch=batch, later=({"input_ids": ids.flip(0)},))
+    router_loss.install(lm, 1, lambda: None, lambda: 2, window=lambda: entry)
+    routed = []
+    monkeypatch.setattr(router_loss._GlobalRouterLoss, "route_ahead", lambda *a: routed.append(a[4].index))
+    lm.model.train()
+    lm.model(input_ids=ids)
+    assert routed == []
+    lm.model(input_ids=ids, output_router_logits=True)
+    assert routed == [0]
+
+
 @functools.cache
 def accumulated_router_loss_reference() -> dict:
     return padded_runs.run_reference("right", padded_runs.OwnLossLM, accumulate=2, model=ROUTER_LOSS)

@@ -85,8 +85,11 @@ def install(
         if not (model.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         with _standing_in(home, state):
-            entry = window() if accumulation() > 1 else None
-            if entry is not None and entry.index == 0:
+            wanted = kwargs.get("output_router_logits")
+            if wanted is None:
+                wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
+            entry = window() if wanted and accumulation() > 1 else None
+            if entry is not None and entry.index == 0:  # (the router's loss off: nothing to route ahead)
                 state.route_ahead(forward, args, kwargs, entry, prepare)
             return forward(*args, **kwargs)
 
