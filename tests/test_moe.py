@@ -350,6 +350,13 @@ def test_a_model_without_its_router_loss_is_not_routed_ahead(monkeypatch):
     assert routed == []
     lm.model(input_ids=ids, output_router_logits=True)
     assert routed == [0]
+    # an epoch's last window of one batch: nothing to route, and nothing left of the window before
+    monkeypatch.undo()
+    state = router_loss._GlobalRouterLoss(print, 1, lambda: None, lambda: 2, lambda: None)
+    state.ahead = [(torch.ones(4), torch.tensor(8.0))]
+    alone = BatchTokens(total=8, batches=1, counted=8, index=0, batch=batch)
+    state.route_ahead(lambda *a, **k: pytest.fail("routed a batch ahead"), (), {"input_ids": ids}, alone, dict)
+    assert state.ahead == []
 
 
 @functools.cache

@@ -134,7 +134,10 @@ class _GlobalRouterLoss:
     def route_ahead(self, forward: Callable[..., Any], args: tuple, kwargs: dict, entry: Any,
                     prepare: Callable[[Any], Any]) -> None:  # fmt: skip
         """Runs the window's later batches (``entry.later``) through the model without gradients, recording their
-        counts and rows (see the module docstring)."""
+        counts and rows (see the module docstring). A window of one batch (an epoch's last) has none."""
+        self.ahead = []
+        if not entry.later:
+            return
         places = _places(prepare(entry.batch), args, kwargs)
         self.recording = []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
