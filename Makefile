@@ -28,7 +28,7 @@ demo: setup  ## Train the bundled GPT with par3d in full 3D (dp=2 x tp=2 x pp=2)
 accelerate: setup  ## The Accelerate example: the GPT at dp_shard=2 x tp=2 on 4 CPU processes (accelerate launch).
 	$(VENV)/bin/accelerate launch --config_file conf/accelerate/cpu4.yaml examples/accelerate_train.py strategy.tp=2
 
-test: setup  ## The whole test suite, what CI runs (21 to 24 minutes on 2 cores; see docs/development.md).
+test: setup  ## The whole test suite, what CI runs (17 to 22 minutes on 2 cores; see docs/development.md).
 	$(PY) -m pytest
 
 test-quick: setup  ## The inner loop: no process pool or new interpreter, plus one parity case per parallelism (< 5 min).
