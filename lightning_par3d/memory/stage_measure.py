@@ -110,8 +110,9 @@ def measure_stages(
         mesh = Par3DMesh.build(layout, "cpu", fake_group)
         built = _OneBuild(module, precision)
         by_depth = {} if shared is None else shared.of(config, layout, microbatch, precision, loss_fn)
+        structures = {} if shared is None else shared.structures
         for stage in range(layout.n_stages):
-            part = _Part(built, config, mesh, stage, precision, fake)
+            part = _Part(built, config, mesh, stage, precision, fake, structures)
             result = part.measure_by_depth(carried, microbatch, loss_fn, by_depth)
             carried = result.output
             results.append(result)
@@ -188,7 +189,9 @@ class SharedMeasures:
     and precision: the planner's many layouts. A measure depends on the tensor-parallel plan and degree, the
     experts' split, sequence parallelism, checkpointing, the data-parallel engine, the precision and the
     microbatch, not on how many stages there are or how the data-parallel ranks are split, so layouts that differ
-    only there measure a role's blocks once. Everything else in the configuration is part of the key; the plan's
+    only there measure a role's blocks once. (Keying on whether FSDP2 gathers in low precision alone, as the
+    planner's memory classes do, changed some rejected layouts' figures by up to 0.75 GiB of 3,979: the engine and
+    resharding count.) Everything else in the configuration is part of the key; the plan's
     tests compare its memory with the estimator's own, layout by layout."""
 
     _EXCLUDED = frozenset({"dp_replicate", "dp_shard", "dp", "zero_stage", "pp", "pipeline_schedule", "microbatches",
@@ -200,6 +203,9 @@ class SharedMeasures:
 
     def __init__(self) -> None:
         self._measures: dict[tuple[Any, ...], dict[tuple[bool, bool, int], StageMeasure]] = {}
+        self.structures: dict[tuple[Any, ...], tuple[list[list[str]] | None, bool]] = {}
+        """The model's stage splits (the same model for every estimate), so that an estimate whose measures are all
+        known builds no model at all."""
 
     def of(self, config: Par3DConfig, layout: Layout, microbatch: list[Any], precision: str,
            loss_fn: Any) -> dict[tuple[bool, bool, int], StageMeasure]:  # fmt: skip
@@ -223,6 +229,8 @@ class _Part:
     stage: int
     precision: str
     fake: Any
+    structures: dict[tuple[Any, ...], tuple[list[list[str]] | None, bool]]
+    """The stage splits found so far (:meth:`_structure`), by pipeline size, stages per rank and split points."""
 
     def measure_by_depth(
         self,
@@ -236,19 +244,11 @@ class _Part:
         layout = self.mesh.layout
         if self.config.activation_checkpointing == "selective" or self.config.ac_blocks:
             return self.measure(carried, microbatch, loss_fn)
-        with self.fake:  # the model is built under the fake mode, never for real
-            root = self.built.root(pipelined=True)
-            if layout.pp == 1:
-                blocks = _declared_blocks(root)
-                if blocks is None:  # no pipeline declared: no blocks to count, the model is measured whole
-                    return self.measure(carried, microbatch, loss_fn)
-                stage_blocks = [blocks]
-            else:
-                spec = declared_pipeline(root)
-                stage_blocks = build.plan_pipeline(root, spec, self.config, layout).blocks
-            trunk = getattr(root, declared_pipeline(root).trunk)
-            alike = self.built.alike(trunk, [name for names in stage_blocks for name in names])
-        if not alike:
+        key = (layout.pp, layout.stages_per_rank, tuple(self.config.split_points))
+        if key not in self.structures:
+            self.structures[key] = self._structure()
+        stage_blocks, alike = self.structures[key]
+        if stage_blocks is None or not alike:  # no blocks declared, or unlike ones: the stage is measured whole
             return self.measure(carried, microbatch, loss_fn)
         own = stage_blocks[self.stage]
         role = (self.stage == 0, self.stage == layout.n_stages - 1)
@@ -264,6 +264,24 @@ class _Part:
         if len(own) <= base + 1:
             return known[(*role, len(own))]
         return known[(*role, base)].deeper(known[(*role, base + 1)], len(own), base)
+
+    def _structure(self) -> tuple[list[list[str]] | None, bool]:
+        """The blocks of each stage (of the whole model without pipelining; None where it declares none) and
+        whether they are alike: the stage split of the model's one build, the same for every estimate of a pipeline
+        size, stages per rank and split points (kept in :attr:`structures`)."""
+        layout = self.mesh.layout
+        with self.fake:  # the model is built under the fake mode, never for real
+            root = self.built.root(pipelined=True)
+            if layout.pp == 1:
+                blocks = _declared_blocks(root)
+                if blocks is None:
+                    return None, False
+                stage_blocks = [blocks]
+            else:
+                spec = declared_pipeline(root)
+                stage_blocks = build.plan_pipeline(root, spec, self.config, layout).blocks
+            trunk = getattr(root, declared_pipeline(root).trunk)
+            return stage_blocks, self.built.alike(trunk, [name for names in stage_blocks for name in names])
 
     def measure(
         self,
