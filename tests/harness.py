@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from tests.launch import free_port
+from tests.ports import free_port
 
 RECYCLE_THREADS = 64
 """A worker past this many OS threads is recycled after its job: every gloo group has a transport thread that wakes

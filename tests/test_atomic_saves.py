@@ -22,7 +22,8 @@ import torch
 from lightning_par3d.checkpoint import atomic
 from lightning_par3d.checkpoint.state_folders import folder_to_load, remove_beyond_limit
 from tests import background
-from tests.launch import ROOT, clean_env, free_port
+from tests.launch import ROOT, clean_env
+from tests.ports import free_port
 
 SCRIPT = ROOT / "tests" / "accelerate_save_script.py"
 KILL_POINTS = [

@@ -38,9 +38,10 @@ from tests.conftest import assert_parity
 from tests.constants import DATA, GLOBAL_BATCH, MODEL, SEED
 from tests.gpt_runs import StepRecorder, full_state, run_reference, trainer_kwargs
 from tests.hf_runs import TINY
-from tests.launch import clean_env, free_port, start, wait_all
+from tests.launch import clean_env, start, wait_all
 from tests.padded_runs import PaddedData, PaddedLM
 from tests.padded_runs import run_reference as run_padded_reference
+from tests.ports import free_port
 
 RANK_BATCH = 4
 """Samples per data-parallel rank and batch, the same at every world size (the user's DataModule)."""

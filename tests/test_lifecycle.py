@@ -338,7 +338,7 @@ def test_a_process_that_ran_par3d_destroys_its_process_groups_at_exit(new_interp
     registered before it runs after it (atexit runs last in, first out) and sees no group."""
     import sys
 
-    from tests.launch import free_port
+    from tests.ports import free_port
 
     done = new_interpreter([sys.executable, "-c", AT_EXIT_SCRIPT, str(free_port())], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -354,7 +354,8 @@ def test_destroy_meshes_releases_the_groups_threads(new_interpreter):
     import subprocess
     import sys
 
-    from tests.launch import ROOT, clean_env, free_port
+    from tests.launch import ROOT, clean_env
+    from tests.ports import free_port
 
     port = str(free_port())
     script = [sys.executable, "tests/mesh_threads_script.py"]

@@ -20,7 +20,8 @@ import torch
 from tests import background
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_reference
-from tests.launch import ROOT, clean_env, free_port, start, wait_all
+from tests.launch import ROOT, clean_env, start, wait_all
+from tests.ports import free_port
 
 SCRIPT = "tests/multinode_script.py"
 NODES, PER_NODE = 2, 2

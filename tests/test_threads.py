@@ -20,7 +20,7 @@ from typing import Any
 
 from tests import background
 from tests.constants import THREADS_RANKS as RANKS
-from tests.launch import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_THREADS = {"none": None, "user": "3"}

@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par3d.distributed.gather import map_tensors
 from lightning_par3d.utils.model_changes import set_attribute
 from lightning_par3d.utils.patterns import find_transformers_model
-from lightning_par3d.utils.torch_private import batch_leaves, batch_to
 
 _ORIGINAL = "_par3d_model_forward"
 """The attribute of par3d's forward that holds the model's own (bound) one."""
@@ -103,7 +103,10 @@ def install_for(module: nn.Module, placement: Any, accumulation: Callable[[], in
     ``loss_mean`` is not ``"tokens"``: no window is read ahead)."""
     dp_group = (lambda: placement.dp_group()) if placement.dp_size > 1 else (lambda: None)
     window = (lambda: token_mean.current) if token_mean is not None else (lambda: None)
-    return install(module, placement.dp_size, dp_group, accumulation, window, lambda b: batch_to(b, placement.device))
+    return install(
+        module, placement.dp_size, dp_group, accumulation, window,
+        lambda batch: map_tensors(lambda t: t.to(placement.device), batch),
+    )  # fmt: skip
 
 
 @contextmanager
@@ -206,7 +209,7 @@ class _GlobalRouterLoss:
     def _checked_later(self, index: int, counts: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The window's sums, after checking (with every data-parallel rank, so all raise alike) that this later
         batch routed as routing it ahead did."""
-        expected = self.ahead[index - 1] if index - 1 < len(self.ahead) and self.totals is not None else None
+        expected = self.ahead[index - 1] if index - 1 < len(self.ahead) else None
         same = expected is not None and torch.equal(expected[0], counts) and torch.equal(expected[1], rows.detach())
         flag = torch.tensor([float(not same)], dtype=torch.float64, device=counts.device)
         group = self.dp_group()
@@ -234,19 +237,26 @@ class _GlobalRouterLoss:
         return f"{float(own):.6g} against {float(mine):.6g} on this rank's routing"
 
 
+def _tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) batch, in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(found.append, batch)
+    return found
+
+
 def _places(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
-    """Where each tensor argument of the model's call is in ``batch`` (the index of the batch's tensor equal to it,
-    among its flattened leaves); raises naming an argument that is none of the batch's tensors."""
-    leaves = batch_leaves(batch)
+    """Where each tensor argument of the model's call is in ``batch`` (the index, among the batch's tensors, of the one
+    it is or equals); raises naming an argument that is none of the batch's tensors."""
+    tensors = _tensors_of(batch)
     places: dict[str | int, int] = {}
     for key, value in [*enumerate(args), *kwargs.items()]:
         if not isinstance(value, torch.Tensor):
             continue
-        found = next((i for i, leaf in enumerate(leaves) if leaf is value), None)
+        found = next((i for i, t in enumerate(tensors) if t is value), None)
         if found is None:
             found = next(
-                (i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.shape == value.shape
-                 and leaf.dtype == value.dtype and leaf.device == value.device and torch.equal(leaf, value)),
+                (i for i, t in enumerate(tensors) if t.shape == value.shape and t.dtype == value.dtype
+                 and t.device == value.device and torch.equal(t, value)),
                 None,
             )  # fmt: skip
         if found is None:
@@ -263,9 +273,9 @@ def _places(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
 def _given(places: dict[str | int, int], batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's arguments for ``batch``: the first batch's call with each tensor replaced by ``batch``'s at its
     place (:func:`_places`)."""
-    leaves = batch_leaves(batch)
-    new_args = tuple(leaves[places[i]] if i in places else a for i, a in enumerate(args))
-    new_kwargs = {k: leaves[places[k]] if k in places else v for k, v in kwargs.items()}
+    tensors = _tensors_of(batch)
+    new_args = tuple(tensors[places[i]] if i in places else a for i, a in enumerate(args))
+    new_kwargs = {k: tensors[places[k]] if k in places else v for k, v in kwargs.items()}
     return new_args, new_kwargs
 
 

@@ -360,7 +360,11 @@ class _Part:
             )
         # (a shape, not a view of another stage's output: a measure shared between estimates carries a fake tensor
         # of another estimate's fake mode)
-        inputs = carried if self.stage == 0 else torch.empty(carried.shape, dtype=carried.dtype, requires_grad=True)
+        inputs = (
+            carried
+            if self.stage == 0
+            else torch.empty(carried.shape, dtype=carried.dtype, device=carried.device, requires_grad=True)
+        )
         last = self.stage == layout.n_stages - 1
 
         def run() -> Any:

@@ -18,7 +18,7 @@ positionally. These styles act on the module's first tensor argument, or ``hidde
   (no communication; backward all-gathers the gradient). On a mixture-of-experts block: its router and experts see
   every token, as without sequence parallelism, so the tp ranks route the same tokens to the same experts.
 
-All three redistribute through DTensor (torch's collectives). Neither touches the module's parameters: the module's own
+All three redistribute through DTensor (torch's collectives). None touches the module's parameters: the module's own
 plan entries (and FSDP2) keep theirs. The sequence length must divide by tp: a shard of uneven length would need
 each rank to know the others' lengths, and the error says so at the first step.
 """
@@ -62,6 +62,18 @@ def _check_divisible(module: nn.Module, length: int, mesh: DeviceMesh, style: st
         )
 
 
+def _shard_of(module: nn.Module, x: torch.Tensor, mesh: DeviceMesh, style: str) -> torch.Tensor:
+    """This rank's sequence shard of ``x``, whole and the same on every rank (a local tensor, or a DTensor); no
+    communication, and backward all-gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+    _check_divisible(module, x.shape[SEQUENCE_DIM], mesh, style)
+    whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
+
 class _SequenceEdge(ParallelStyle):
     """A forward pre-hook that moves the module's residual-stream input between whole and sequence-sharded."""
 
@@ -90,13 +102,7 @@ class SequenceShard(_SequenceEdge):
     name = "sequence_shard"
 
     def convert(self, module: nn.Module, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        if isinstance(x, DTensor):
-            return x.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
-        _check_divisible(module, x.shape[SEQUENCE_DIM], mesh, self.name)
-        whole = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+        return _shard_of(module, x, mesh, self.name)
 
 
 class GatherSequence(_SequenceEdge):
@@ -123,9 +129,9 @@ class WholeSequence(GatherSequence):
 
         def cut(mod: nn.Module, args: Any, output: Any) -> Any:
             if isinstance(output, torch.Tensor):
-                return _shard_of(output, device_mesh)
+                return _shard_of(mod, output, device_mesh, self.name)
             if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
-                return type(output)([_shard_of(output[0], device_mesh), *output[1:]])
+                return type(output)([_shard_of(mod, output[0], device_mesh, self.name), *output[1:]])
             raise TypeError(
                 f"{type(mod).__name__} ({self.name}) returned {type(output).__name__}: it must return the hidden "
                 "states, alone or first in a tuple, to cut back to this rank's sequence shard."
@@ -133,13 +139,3 @@ class WholeSequence(GatherSequence):
 
         module.register_forward_hook(cut)
         return module
-
-
-def _shard_of(whole: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's sequence shard of a tensor that is whole and the same on every rank (backward: all-gather)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if isinstance(whole, DTensor):
-        return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
-    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
-    return replicated.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()

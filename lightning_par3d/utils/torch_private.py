@@ -252,18 +252,3 @@ def compile_options_of(compiled: Any) -> dict[str, Any]:
     while hasattr(backend, "_torchdynamo_orig_backend"):  # torch's debugging and frame-conversion wrappers
         backend = backend._torchdynamo_orig_backend
     return {"backend": backend, "fullgraph": bool(context.fullgraph), "dynamic": context._dynamic}
-
-
-def batch_leaves(batch: Any) -> list[Any]:
-    """The leaves of a nested batch (dicts, lists, tuples, named tuples), in order: torch's pytree flattening, the
-    one ``torch.compile`` and Lightning use. ``torch.utils._pytree`` is private, and has been stable since 2.0."""
-    from torch.utils._pytree import tree_flatten
-
-    return tree_flatten(batch)[0]
-
-
-def batch_to(batch: Any, device: torch.device) -> Any:
-    """A nested batch with every tensor moved to ``device`` (torch's pytree map, as :func:`batch_leaves`)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
