@@ -118,10 +118,12 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # Under pipeline parallelism a stage holds only some of these modules; the others are None.
         if self.transformer.wte is not None:  # first stage: token ids (B, T) → embeddings
-            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            # position_ids: each token's place in its row; par3d's context parallelism passes the global ones of the
+            # tokens a rank holds. By default 0 … T−1.
+            pos = torch.arange(x.shape[1], device=x.device) if position_ids is None else position_ids  # (T,)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))  # (B, T, n_embd)
         for block in self.transformer.h.values():
             x = block(x)  # (B, T, n_embd)

@@ -35,6 +35,7 @@ from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import compression_of
+from lightning_par3d.parallel.context_parallel import apply_context_parallel
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
 from lightning_par3d.parallel.expert_parallel import ExpertSpec, apply_expert_parallel, find_experts
 from lightning_par3d.parallel.lora_plan import adapter_plan
@@ -114,6 +115,10 @@ def parallelize(
     stage_plan = plan_pipeline(module, spec, config, layout) if spec is not None else None
     blocks = fsdp_blocks(module, config, layout) if spec is None else []
 
+    if layout.cp > 1:  # hooks on the trunk and its blocks, before activation checkpointing wraps them
+        rank = dist.get_rank()
+        apply_context_parallel(module, find_blocks(module, config.fsdp_blocks), mesh.cp_group, mesh.cp_rank(rank),
+                               layout.cp, config.ignore_index)  # fmt: skip
     cache_off = training_without_kv_cache(module) if config.compile else []
     metrics = detach_metrics(module)  # torchmetrics states would not survive meta and to_empty
     metric_shots = _rank0_metric_states(metrics)
@@ -190,8 +195,8 @@ def parallelize_part(
 
 
 def fsdp_blocks(module: nn.Module, config: Par3DConfig, layout: Layout) -> list[nn.Module]:
-    """The blocks of the whole model that FSDP2 wraps one by one before the root (none unless dp_shard > 1)."""
-    return find_blocks(module, config.fsdp_blocks) if layout.dp_shard > 1 else []
+    """The blocks of the whole model that FSDP2 wraps one by one before the root (none unless dp_shard × cp > 1)."""
+    return find_blocks(module, config.fsdp_blocks) if layout.shard_ranks > 1 else []
 
 
 def plan_pipeline(module: nn.Module, spec: PipelineSpec, config: Par3DConfig, layout: Layout) -> StagePlan:
@@ -267,7 +272,7 @@ def parallelize_stage(
     styles = stage_styles(fqn_styles, stage, trunk_attr)
     own = [stage.get_submodule(name) for name in plan.blocks[index]]
     first_index = sum(len(names) for names in plan.blocks[:index])
-    units = own if mesh.layout.dp_shard > 1 else []
+    units = own if mesh.layout.shard_ranks > 1 else []
     return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index), experts=experts)
 
 
@@ -389,12 +394,13 @@ def _describe_data_parallel(mesh: Par3DMesh, blocks: int, config: Par3DConfig, p
     if kind == "zero":
         what = "optimizer state" if layout.zero == 1 else "optimizer state and gradients"
         return f"ZeRO-{layout.zero}: {what} sharded over dp_shard={layout.dp_shard}{replicas}"
-    if layout.dp_shard == 1:
+    if layout.shard_ranks == 1:
         return f"FSDP2 replicated over {layout.dp} ranks (ZeRO-0, one unit)"
     sharding = "HSDP" if layout.dp_replicate > 1 else "FSDP2"
     extras = [f"{precision} gathers" if precision.endswith("-mixed") else "", "CPU offload" if config.offload else ""]
     detail = "".join(f", {e}" for e in extras if e)
-    return f"ZeRO-3 with {sharding} ({blocks} blocks + root{detail})"
+    over = f" over dp_shard × cp = {layout.shard_ranks} ranks" if layout.cp > 1 else ""
+    return f"ZeRO-3 with {sharding}{over} ({blocks} blocks + root{detail})"
 
 
 def _rank0_metric_states(detached: list[Any]) -> list[Any]:

@@ -35,7 +35,8 @@ def real_length(index: int, block_size: int) -> int:
 
 class PaddedWindows(Dataset):
     """Each byte window cut to :func:`real_length` real tokens and padded back to the block (pads on the ``side``
-    given): ``{"input_ids", "attention_mask", "labels"}``, with ``-100`` labels on the pads. ``own_labels``: the labels
+    given): ``{"input_ids", "attention_mask", "labels"}``, with ``-100`` labels on the pads; ``side="packed"``: the
+    window as two packed documents instead (:func:`packed_row`). ``own_labels``: the labels
     a transformers model shifts itself (the input ids, ``-100`` on the pads), else the next byte of each position."""
 
     def __init__(self, windows: ByteWindows, side: str, own_labels: bool = False) -> None:
@@ -47,10 +48,24 @@ class PaddedWindows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         x, y = self.windows[index]
         n = real_length(index, len(x))
+        if self.side == "packed":
+            return packed_row(x, y, min(n, len(x) - MIN_REAL), self.own_labels)
         real = slice(len(x) - n, len(x)) if self.side == "left" else slice(0, n)
         ids, mask, labels = torch.full_like(x, PAD), torch.zeros_like(x), torch.full_like(y, -100)
         ids[real], mask[real], labels[real] = x[:n], 1, (x if self.own_labels else y)[:n]
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def packed_row(x: torch.Tensor, y: torch.Tensor, first: int, own_labels: bool) -> dict[str, torch.Tensor]:
+    """A window as two packed documents, the first ``first`` tokens long: ``position_ids`` restart at the second,
+    and no target crosses from one document into the next (``-100``)."""
+    positions = torch.cat([torch.arange(first), torch.arange(len(x) - first)])
+    labels = (x if own_labels else y).clone()
+    if own_labels:
+        labels[first] = -100  # the model shifts: position first - 1 would predict the second document's first token
+    else:
+        labels[first - 1] = -100
+    return {"input_ids": x, "position_ids": positions, "labels": labels}
 
 
 class PaddedData(ShakespeareDataModule):
@@ -75,7 +90,10 @@ class PaddedLM(CausalLMModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
-        outputs = self.model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        given = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+        if "position_ids" in batch:  # packed rows: transformers masks the documents apart without a KV cache
+            given["use_cache"] = False
+        outputs = self.model(batch["input_ids"], **given)
         return self.loss_fn(outputs, batch["labels"])
 
 

@@ -159,15 +159,17 @@ def test_bad_input_is_a_clear_error_on_every_rank(pool2, case, says):
     assert all(says in m for m in messages), messages
 
 
-def test_parallelism_config_maps_and_cp_is_refused():
+def test_parallelism_config_maps_cp_and_ulysses_is_refused():
     from accelerate.parallelism_config import ParallelismConfig
 
     from lightning_par3d import Par3DConfig
 
     config = Par3DConfig.from_accelerate(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), pp=2)
-    assert (config.dp_replicate, config.dp_shard, config.tp, config.pp) == (2, 2, 2, 2)
-    with pytest.raises(ValueError, match=r"does not support context or sequence parallelism yet \(cp_size=2\)"):
-        Par3DConfig.from_accelerate(ParallelismConfig(dp_shard_size=2, cp_size=2))
+    assert (config.dp_replicate, config.dp_shard, config.tp, config.pp, config.cp) == (2, 2, 2, 2, 1)
+    config = Par3DConfig.from_accelerate(ParallelismConfig(dp_shard_size=2, cp_size=2))
+    assert (config.dp_shard, config.cp) == (2, 2)
+    with pytest.raises(ValueError, match=r"Ulysses sequence parallelism \(sp_size=2\)"):
+        Par3DConfig.from_accelerate(ParallelismConfig(dp_shard_size=2, sp_size=2))
 
 
 def test_rank_error_is_raised_for_a_bad_layout(pool2):

@@ -1,4 +1,4 @@
-"""A run's resolved layout: the four mesh sizes, the ZeRO stage and the pipeline schedule, and every fact derived
+"""A run's resolved layout: the mesh sizes, the ZeRO stage and the pipeline schedule, and every fact derived
 from them, computed once (:class:`Layout`; :func:`~lightning_par3d.config.validate.resolve_layout` makes one)."""
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ class Layout:
     """The configured ``reshard_after_forward``; :attr:`reshard_after_forward` resolves its default."""
     ep: int = 1
     """Expert-parallel degree: ranks of ``dp_shard`` that split the experts (no mesh dimension of its own)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence. They read the same rows, so they add ranks but not
+    data-parallel ones; in the mesh they sit inside the ``dp_shard`` dimension (:attr:`shard_ranks`), which FSDP2
+    shards over, as torchtitan shards over ``dp_shard × cp``."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """The mesh's ``dp_shard`` dimension: the ranks FSDP2 shards over, ``dp_shard × cp`` (``cp`` inner)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks whose gradients and loss shares are summed: the data-parallel ranks times the context-parallel
+        ones (each cp rank holds a slice of its rows' tokens)."""
+        return self.dp * self.cp
 
     @property
     def expert_shard(self) -> int:
@@ -44,31 +59,31 @@ class Layout:
         """The ZeRO stage over ``dp_shard``."""
         if self.zero_stage is not None:
             return self.zero_stage
-        return 3 if self.dp_shard > 1 else 0
+        return 3 if self.shard_ranks > 1 else 0
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
-        """The whole data-parallel size: ranks that see different data."""
+        """The whole data-parallel size: ranks that read different rows (context-parallel peers read the same)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(pp, dp_replicate, dp_shard, tp)``: the mesh's shape."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        """``(pp, dp_replicate, dp_shard × cp, tp)``: the mesh's shape."""
+        return (self.pp, self.dp_replicate, self.shard_ranks, self.tp)
 
     # ---------------------------------------------------------------- data parallel
     @property
     def data_parallel(self) -> str:
         """Which engine serves the data-parallel dimension: one of :data:`DATA_PARALLEL_ENGINES`."""
-        if self.dp == 1:
+        if self.dp_cp == 1:
             return "none"
         if self.zero in (1, 2):
             return "zero"
-        if self.dp_shard == 1 and self.tp == 1 and self.pp == 1:
+        if self.shard_ranks == 1 and self.tp == 1 and self.pp == 1:
             return "ddp"
         return "fsdp"
 
@@ -102,5 +117,6 @@ class Layout:
         return stage_owner(self.schedule, self.n_stages - 1, self.pp) if self.pp > 1 else 0
 
     def __str__(self) -> str:
-        text = f"pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard} × tp={self.tp}"
+        cp = f" × cp={self.cp}" if self.cp > 1 else ""
+        text = f"pp={self.pp} × dp_replicate={self.dp_replicate} × dp_shard={self.dp_shard}{cp} × tp={self.tp}"
         return text + (f" (ep={self.ep} within dp_shard)" if self.ep > 1 else "")

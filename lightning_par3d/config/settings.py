@@ -61,6 +61,15 @@ class Par3DConfig:
     are found by the transformers model's own expert-parallel plan (``base_model_ep_plan``). With ``tp > 1`` and the
     model's own tp plan, each expert is also cut over tp (``moe_tp_experts``). 1 means disabled."""
 
+    cp: int = 1
+    """Context-parallel degree: each sequence split over ``cp`` ranks, for sequences too long for one rank's
+    activations. The ``cp`` ranks read the same rows and each holds ``1 / cp`` of every row's tokens, load-balanced
+    for the causal mask (chunks ``r`` and ``2·cp − 1 − r`` of ``2·cp``); attention gathers the keys and values of the
+    whole sequence and masks them by the tokens' global positions, so that it computes what one process computes,
+    with padding (``attention_mask``) and packed rows (``position_ids`` restarting per document). It adds ranks:
+    ``world = pp × dp_replicate × dp_shard × cp × tp``; FSDP2 shards over ``dp_shard × cp``. The sequence length
+    must divide by ``2·cp`` (see lightning_par3d.parallel.context_parallel). 1 means disabled."""
+
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous part of the model's blocks. 1 means disabled.
     Needs the model to declare ``pipeline_trunk`` and ``pipeline_loss`` (see lightning_par3d.pipeline.trunk)."""
@@ -244,23 +253,21 @@ class Par3DConfig:
 
     @classmethod
     def from_accelerate(cls, parallelism_config: Any, **fields: Any) -> Par3DConfig:
-        """The par3d config of an Accelerate ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` and
-        ``tp_size`` map onto ``dp_replicate``, ``dp_shard`` and ``tp``; ``fields`` add par3d's own (``pp=2``,
-        ``zero_stage=1``, …). Context and sequence parallelism (``cp_size``, ``sp_size`` > 1) are refused."""
-        refused = [
-            f"{name}={getattr(parallelism_config, name)}"
-            for name in ("cp_size", "sp_size")
-            if (getattr(parallelism_config, name, 1) or 1) > 1
-        ]
-        if refused:
+        """The par3d config of an Accelerate ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size``,
+        ``cp_size`` and ``tp_size`` map onto ``dp_replicate``, ``dp_shard``, ``cp`` and ``tp``; ``fields`` add par3d's
+        own (``pp=2``, ``zero_stage=1``, …). DeepSpeed-Ulysses sequence parallelism (``sp_size`` > 1) is refused:
+        par3d splits long sequences with ``cp``."""
+        sp = getattr(parallelism_config, "sp_size", 1) or 1
+        if sp > 1:
             raise ValueError(
-                f"par3d does not support context or sequence parallelism yet ({', '.join(refused)}). Set them to 1; "
-                "par3d offers pp, dp_replicate, dp_shard, tp and ep (experts, as a par3d field: ep=...)."
+                f"par3d does not offer DeepSpeed-Ulysses sequence parallelism (sp_size={sp}). Set sp_size=1 and split "
+                "long sequences with context parallelism instead (cp_size, par3d's cp=...)."
             )
         mapped = {
             "dp_replicate": getattr(parallelism_config, "dp_replicate_size", None) or 1,
             "dp_shard": getattr(parallelism_config, "dp_shard_size", None) or 1,
             "tp": getattr(parallelism_config, "tp_size", None) or 1,
+            "cp": getattr(parallelism_config, "cp_size", None) or 1,
         }
         return cls(**{**mapped, **fields})
 

@@ -106,6 +106,7 @@ def _check_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_positive_int(errors, "tp", config.tp, "tensor-parallel degree")
     _check_positive_int(errors, "pp", config.pp, "pipeline-parallel degree")
     _check_expert_static(config, errors)
+    _check_context_static(config, errors)
     _check_positive_int(errors, "dp_replicate", config.dp_replicate, "data-parallel replicas")
     if config.dp_shard != "auto":
         _check_positive_int(errors, "dp_shard", config.dp_shard, "data-parallel shard size, or 'auto'")
@@ -206,7 +207,7 @@ def _check_zero_static(config: Par3DConfig, errors: _Errors) -> None:
 def _check_zero_layout(config: Par3DConfig, layout: Layout, errors: _Errors) -> None:
     """Checks of the ZeRO stage, offload and compression against the resolved sizes."""
     stage = layout.zero
-    if config.zero_stage in (1, 2, 3) and layout.dp_shard == 1:
+    if config.zero_stage in (1, 2, 3) and layout.shard_ranks == 1:
         errors.add(
             f"zero_stage={config.zero_stage} shards across the dp_shard ranks, but dp_shard=1 here ({layout}): there "
             "is nothing to shard over. Give dp_shard the data-parallel ranks (e.g. dp_shard=auto, dp_replicate=1), "
@@ -247,6 +248,32 @@ def _check_expert_static(config: Par3DConfig, errors: _Errors) -> None:
             f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
             f"sizes yourself (e.g. dp_shard a multiple of {config.ep}, ep={config.ep}), or leave ep=1 for the planner."
         )
+
+
+def _check_context_static(config: Par3DConfig, errors: _Errors) -> None:
+    """Context parallelism and what it does not compose with yet, each refused with its fix."""
+    _check_positive_int(errors, "cp", config.cp, "context-parallel degree: ranks that split each sequence")
+    if not isinstance(config.cp, int) or isinstance(config.cp, bool) or config.cp <= 1:
+        return
+    cp = config.cp
+    refusals = {
+        "layout='auto'": (config.layout == "auto", "the planner does not choose context-parallel layouts yet: give "
+                          "the sizes yourself, or leave cp=1 for the planner"),
+        f"pp={config.pp}": (config.pp != 1, "pipeline stages do not carry the sequence's slice yet: use pp=1"),
+        f"ep={config.ep}": (config.ep != 1, "experts are not split over context-parallel ranks yet: use ep=1"),
+        "compile=True": (config.compile is True, "the compiled blocks do not take the context-parallel attention "
+                         "yet: use compile=False"),
+        "elastic=True": (config.elastic is True, "a changed world does not re-plan cp yet: use elastic=False"),
+        f"loss_mean={config.loss_mean!r}": (config.loss_mean != "tokens", "each rank holds a slice of every row, and "
+                                            "only the token mean weighs the slices as one process does: use "
+                                            "loss_mean='tokens'"),
+        f"zero_stage={config.zero_stage}": (config.zero_stage in (0, 1, 2), "the context-parallel ranks' gradients "
+                                             "are reduce-scattered by FSDP2 over dp_shard × cp: use zero_stage=3 "
+                                             "(the default)"),
+    }  # fmt: skip
+    for setting, (refused, fix) in refusals.items():
+        if refused:
+            errors.add(f"cp={cp} with {setting}: {fix}.")
 
 
 def _check_expert_layout(layout: Layout, errors: _Errors) -> None:
@@ -292,7 +319,7 @@ def _check_pipeline(config: Par3DConfig, errors: _Errors) -> None:
 
 
 def _resolve_dp_shard(config: Par3DConfig, world_size: int, errors: _Errors) -> int:
-    fixed = config.pp * config.dp_replicate * config.tp
+    fixed = config.pp * config.dp_replicate * config.tp * config.cp
     if config.dp_shard != "auto":
         return int(config.dp_shard)
     if config.dp is not None:
@@ -306,7 +333,8 @@ def _resolve_dp_shard(config: Par3DConfig, world_size: int, errors: _Errors) -> 
     if world_size % fixed:
         errors.add(
             f"dp_shard='auto' needs the world size ({world_size}) to be divisible by "
-            f"pp × dp_replicate × tp = {config.pp} × {config.dp_replicate} × {config.tp} = {fixed}. "
+            f"pp × dp_replicate × {'cp × ' if config.cp > 1 else ''}tp = {config.pp} × {config.dp_replicate} × "
+            f"{f'{config.cp} × ' if config.cp > 1 else ''}{config.tp} = {fixed}. "
             f"Choose sizes whose product divides {world_size}, or change devices/num_nodes."
         )
         return 1
@@ -342,6 +370,7 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
         microbatches=config.microbatches,
         reshard_after_forward_setting=config.reshard_after_forward,
         ep=config.ep,
+        cp=config.cp,
     )
     if config.dp is not None and layout.dp != config.dp:
         errors.add(
@@ -349,9 +378,10 @@ def resolve_layout(config: Par3DConfig, world_size: int | None = None) -> Layout
             f"= {layout.dp}. Set only one of them, or make them agree."
         )
     if not errors.messages and layout.world_size != world_size:
+        cp_name, cp_size = ("cp × ", f"{layout.cp} × ") if layout.cp > 1 else ("", "")
         errors.add(
-            f"pp × dp_replicate × dp_shard × tp = {layout.pp} × {layout.dp_replicate} × {layout.dp_shard} × "
-            f"{layout.tp} = {layout.world_size}, but the world size (devices × num_nodes) is {world_size}. "
+            f"pp × dp_replicate × dp_shard × {cp_name}tp = {layout.pp} × {layout.dp_replicate} × {layout.dp_shard} × "
+            f"{cp_size}{layout.tp} = {layout.world_size}, but the world size (devices × num_nodes) is {world_size}. "
             f"Change the sizes so that their product is {world_size}, or set dp_shard='auto'."
         )
     if not errors.messages:

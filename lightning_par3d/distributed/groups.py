@@ -174,14 +174,14 @@ def acquire_mesh(layout: Layout, device: torch.device, backend: str, timeout_s: 
     """The mesh for ``layout`` over the default group: the one this process built before for the same shape,
     backend and timeout, or a new one. Every rank must call it at the same point (it may create groups)."""
     _forget_if_world_changed()
-    key = (layout.shape, layout.ep, backend, float(timeout_s), device.type)
+    key = (layout.shape, layout.ep, layout.cp, backend, float(timeout_s), device.type)
     mesh = _MESHES.get(key)
     if mesh is None:
         mesh = Par3DMesh.build(layout, device.type, lambda ranks: group_of(ranks, backend, timeout_s))
         _MESHES[key] = mesh
     elif mesh.layout != layout:
         # The same groups; the layout's other facts (ZeRO, schedule) are this run's.
-        mesh = Par3DMesh(layout, mesh.device_mesh, mesh._dp_mesh, mesh._expert_mesh)
+        mesh = Par3DMesh(layout, mesh.device_mesh, mesh._dp_mesh, mesh._expert_mesh, mesh._cp_group)
     return mesh
 
 

@@ -1,4 +1,6 @@
-"""The named device mesh: ``pp × dp_replicate × dp_shard × tp``, row-major, ``tp`` innermost.
+"""The named device mesh: ``pp × dp_replicate × dp_shard × tp``, row-major, ``tp`` innermost. Under context
+parallelism the ``dp_shard`` dimension holds ``dp_shard × cp`` ranks, ``cp`` inner (FSDP2 shards over both, as
+torchtitan does); the ``cp`` ranks that split one set of rows have a group of their own.
 
 :class:`Par3DMesh` answers layout questions (a rank's coordinates, the ranks of its groups, its pipeline neighbours)
 with plain arithmetic, so it works and is tested without processes. :meth:`Par3DMesh.build` adds the real
@@ -28,8 +30,13 @@ EXPERT_DIM_NAMES = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
 ``dp_shard`` ranks exchange tokens). A second ``DeviceMesh`` over the same ranks, so that FSDP2 can shard the experts
 over ``expert_shard`` while they are split over ``ep`` (both sub-meshes of one root, as FSDP2 needs)."""
 
-GROUP_NAMES = (*DIM_NAMES, "dp")
-"""Groups that :meth:`Par3DMesh.group_ranks` knows: each dimension, and ``dp`` = ``dp_replicate × dp_shard``."""
+CONTEXT_DIM_NAMES = ("pp", "dp_replicate", "batch_shard", "cp", "tp")
+"""The ranks under ``cp > 1``: the mesh's ``dp_shard`` dimension split into the data-parallel ``batch_shard``
+(the configured ``dp_shard``) and ``cp``, inner (adjacent ranks split the same rows)."""
+
+GROUP_NAMES = (*DIM_NAMES, "dp", "cp")
+"""Groups that :meth:`Par3DMesh.group_ranks` knows: each dimension, ``dp`` = ``dp_replicate × dp_shard`` (with the
+context-parallel ranks: every rank whose gradients are summed), and ``cp``."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Par3DMesh:
         device_mesh: DeviceMesh | None = None,
         dp_mesh: DeviceMesh | None = None,
         expert_mesh: DeviceMesh | None = None,
+        cp_group: Any = None,
     ) -> None:
         self.layout = layout
         self._device_mesh = device_mesh
@@ -58,14 +66,17 @@ class Par3DMesh:
         """The flattened ``dp`` mesh (``dp_replicate × dp_shard`` as one dimension)."""
         self._expert_mesh = expert_mesh
         """Under ``ep > 1``: the experts' mesh (:data:`EXPERT_DIM_NAMES`)."""
+        self._cp_group = cp_group
+        """Under ``cp > 1``: this rank's context-parallel process group."""
         self.destroyed = False
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.layout.pp, self.layout.dp_replicate, self.layout.dp_shard, self.layout.tp)
+        return self.layout.shape
 
     def coords(self, rank: int) -> Coords:
-        """The (pp, dp_replicate, dp_shard, tp) coordinates of a global rank."""
+        """The (pp, dp_replicate, dp_shard, tp) coordinates of a global rank (``dp_shard`` counting the mesh's
+        ``dp_shard × cp`` ranks)."""
         self._check_rank(rank)
         values = []
         for size in reversed(self.shape):
@@ -88,12 +99,27 @@ class Par3DMesh:
     def dp_rank(self, rank: int) -> int:
         """The rank's index among the data-parallel ranks: which slice of each global batch it reads."""
         c = self.coords(rank)
-        return c.dp_replicate * self.layout.dp_shard + c.dp_shard
+        return c.dp_replicate * self.layout.dp_shard + c.dp_shard // self.layout.cp
+
+    def cp_rank(self, rank: int) -> int:
+        """The rank's index among the context-parallel ranks that split its rows (0 without cp)."""
+        return self.coords(rank).dp_shard % self.layout.cp
+
+    @property
+    def cp_group(self) -> Any:
+        """This rank's context-parallel process group (under ``cp > 1``, once built)."""
+        self.device_mesh  # noqa: B018 (raises if the groups were destroyed)
+        if self._cp_group is None:
+            raise RuntimeError(f"The mesh has no context-parallel group: cp={self.layout.cp} ({self.layout}).")
+        return self._cp_group
 
     def group_ranks(self, group: str, rank: int) -> list[int]:
         """The global ranks of ``rank``'s group along ``group`` (a dimension name, or ``dp``), in mesh order."""
         if group not in GROUP_NAMES:
             raise ValueError(f"Unknown mesh group {group!r}. Known: {', '.join(GROUP_NAMES)}.")
+        if group == "cp":
+            first = rank - self.cp_rank(rank) * self.layout.tp
+            return [first + i * self.layout.tp for i in range(self.layout.cp)]
         free = ("dp_replicate", "dp_shard") if group == "dp" else (group,)
         mine = self.coords(rank)
         return [r for r in range(self.layout.world_size) if self._same_except(self.coords(r), mine, free)]
@@ -146,12 +172,16 @@ class Par3DMesh:
 
         ranks = torch.arange(self.layout.world_size).reshape(self.shape)
         found = {name: ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist() for i, name in enumerate(DIM_NAMES)}
-        found["dp"] = ranks.permute(0, 3, 1, 2).reshape(-1, self.layout.dp).tolist()
+        found["dp"] = ranks.permute(0, 3, 1, 2).reshape(-1, self.layout.dp_cp).tolist()
         if self.layout.ep > 1:
             experts = ranks.reshape(self.expert_shape)
             for name in ("expert_shard", "ep"):
                 i = EXPERT_DIM_NAMES.index(name)
                 found[name] = experts.movedim(i, -1).reshape(-1, experts.shape[i]).tolist()
+        if self.layout.cp > 1:
+            layout = self.layout
+            context = ranks.reshape(layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+            found["cp"] = context.movedim(3, -1).reshape(-1, layout.cp).tolist()
         return found
 
     @property
@@ -190,7 +220,8 @@ class Par3DMesh:
             experts = DeviceMesh.from_group(
                 groups, device_type, mesh=every_rank.reshape(shape), mesh_dim_names=EXPERT_DIM_NAMES
             )
-        return cls(layout, mesh, dp, experts)
+        cp_group = mine["cp"][0] if layout.cp > 1 else None
+        return cls(layout, mesh, dp, experts, cp_group)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.layout.world_size:

@@ -1,9 +1,10 @@
 """The engine's collectives over the ranks that hold different data: the data-parallel ranks.
 
-Tensor-parallel peers hold the same samples and the same logged values; under pp every stage holds the last
-stage's loss, and the outputs exist on the ranks holding the last stage. So a logged number is reduced over the dp
-group only (:func:`reduce`), a batch's values are gathered over it and handed to every pipeline rank
-(:func:`gather`), and torchmetrics metrics sync over it (:func:`metric_sync`).
+Tensor-parallel peers hold the same samples and the same logged values; context-parallel peers hold slices of the
+same rows and are reduced with the data-parallel ranks (the ``dp`` group holds both: ``layout.dp_cp`` ranks); under
+pp every stage holds the last stage's loss, and the outputs exist on the ranks holding the last stage. So a logged
+number is reduced over the dp group only (:func:`reduce`), a batch's values are gathered over it and handed to every
+pipeline rank (:func:`gather`), and torchmetrics metrics sync over it (:func:`metric_sync`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def gather(
     """The batch values ``data`` of every data-parallel rank, on every rank: tensors (nested in lists, tuples or
     dicts) concatenated on the first dimension, or, with ``as_objects``, a list's items in rank order (pickled).
     Under pp the values are the last stage's; they reach every pipeline rank."""
-    group, size = mesh["dp"].get_group(), layout.dp
+    group, size = mesh["dp"].get_group(), layout.dp_cp
     if holds_last_stage:
         gathered = gather_objects(data, group, size) if as_objects else gather_tensors(data, group, size)
     else:
@@ -63,9 +64,9 @@ def reduce(tensor: torch.Tensor, op: Any, layout: Layout, mesh: Par3DMesh, devic
     name = reduce_op_name(op)
     ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     result = tensor.detach().to(device, copy=True)
-    if layout.dp > 1:
+    if layout.dp_cp > 1:
         dist.all_reduce(result, op=ops[name], group=mesh["dp"].get_group())
-    return result / layout.dp if name == "mean" else result
+    return result / layout.dp_cp if name == "mean" else result
 
 
 def reduce_op_name(op: Any) -> str:

@@ -39,6 +39,7 @@ from lightning_par3d.engine import collectives, records, router_loss, saving, st
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.placement import Placement
 from lightning_par3d.parallel.compression import compression_of
+from lightning_par3d.parallel.context_parallel import ContextParallel, cut_declared_loss
 from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.pipeline.batches import check_loader
@@ -107,6 +108,8 @@ class Par3DEngine:
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
         self._tokens: tokens.TokenMean | None = None
+        self._context: ContextParallel | None = None
+        """Under cp > 1: the context parallelism installed on the model (its rows cut, its attention gathered)."""
         self.saves = saving.ModelSaves(self.placement, self._saved_module)
         """The checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`): ``save``, ``load``, … are its."""
 
@@ -164,6 +167,8 @@ class Par3DEngine:
                 install_loss(module, record.spec.loss, self.run_pipeline)
         if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
             self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
+        if self.layout.cp > 1:  # the declared loss's targets cut to this rank's positions, before the token mean
+            self._context = cut_declared_loss(module, self.token_mean)
         if self.layout.pp > 1:
             router_loss.refuse_under_pipelining(module)
         else:
@@ -258,12 +263,15 @@ class Par3DEngine:
                 return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=True)
         if self.token_mean is not None:
             loss_fn = self.token_mean.wrap(loss_fn)
+        if self._context is not None:
+            loss_fn = self._context.cut_loss(loss_fn)
         return steps.plain_train_step(model, inputs, targets, loss_fn, backward)
 
     def eval_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """The mean loss of one batch, forward only, at any layout (on every rank)."""
         with torch.no_grad():
             if self.layout.pp == 1:
+                loss_fn = self._context.cut_loss(loss_fn) if self._context is not None else loss_fn
                 return loss_fn(steps.call(model, inputs), targets).detach()
             return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
 

@@ -101,10 +101,11 @@ def install(
 def install_for(module: nn.Module, placement: Any, accumulation: Callable[[], int], token_mean: Any) -> bool:
     """:func:`install` with an engine's placement (its data-parallel ranks and device) and token mean (None when
     ``loss_mean`` is not ``"tokens"``: no window is read ahead)."""
-    dp_group = (lambda: placement.dp_group()) if placement.dp_size > 1 else (lambda: None)
+    ranks = placement.layout.dp_cp  # the context-parallel ranks count their slices' tokens with the dp ranks
+    dp_group = (lambda: placement.dp_group()) if ranks > 1 else (lambda: None)
     window = (lambda: token_mean.current) if token_mean is not None else (lambda: None)
     return install(
-        module, placement.dp_size, dp_group, accumulation, window,
+        module, ranks, dp_group, accumulation, window,
         lambda batch: map_tensors(lambda t: t.to(placement.device), batch),
     )  # fmt: skip
 

@@ -117,6 +117,9 @@ class TokenMean:
         self.reading: list[TokenWindows] = []
         """The read-ahead dataloaders being read, latest last (:func:`_training_source` says which a batch is from)."""
         self.current: BatchTokens | None = None
+        self.cut: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
+        """Under cp > 1: a batch's targets at this rank's positions (``cut(targets, shifted)``): what its loss
+        counts."""
         self._shared = False
         self._checked = False
         self._warned = False
@@ -125,7 +128,7 @@ class TokenMean:
     def of(cls, placement: Any, accumulation: Callable[[], int]) -> TokenMean:
         """The token mean of an engine's placement (its configuration's ``ignore_index`` and ``loss_tokens``, its
         data-parallel ranks and device), with the front-end's batches per optimizer step."""
-        config, dp = placement.config, placement.dp_size
+        config, dp = placement.config, placement.layout.dp_cp
         return cls(
             config.ignore_index,
             dp,
@@ -303,8 +306,11 @@ class TokenWindows:
 
     def _count(self, read: list[Any]) -> _Window:
         try:
-            shift, where, ignore = self.shift(), self.tokens.where, self.tokens.ignore_index
-            return _Window([int(real_tokens(batch_targets(b, where, shift), ignore)) for b in read], read=read)
+            shift, where, ignore, cut = self.shift(), self.tokens.where, self.tokens.ignore_index, self.tokens.cut
+            targets = [batch_targets(b, where, shift) for b in read]
+            if cut is not None:
+                targets = [cut(t, shift) for t in targets]
+            return _Window([int(real_tokens(t, ignore)) for t in targets], read=read)
         except (ValueError, TypeError) as error:
             return _Window([0] * len(read), error, read=read)
 
@@ -373,7 +379,10 @@ def _transformers_loss(tokens: TokenMean, loss_function: LossFn) -> LossFn:
 
 
 def _unwrapped(loss: Any) -> Any:
-    while hasattr(loss, "__wrapped__") and getattr(loss, "__module__", None) == __name__:
+    """``loss`` without par3d's wrappers (this module's, and context parallelism's target cut)."""
+    while hasattr(loss, "__wrapped__") and (
+        getattr(loss, "__module__", None) == __name__ or getattr(loss, "_par3d_loss_wrapper", False)
+    ):
         loss = loss.__wrapped__
     return loss
 

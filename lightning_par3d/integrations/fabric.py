@@ -221,7 +221,7 @@ class Par3DFabricStrategy(shared.LightningFrontEnd, FabricCheckpointHooks):
         """``fabric.all_gather``: each data-parallel rank's ``tensor``, stacked (``(dp, *shape)``), for the same
         reason as :meth:`all_reduce`; with a ``group`` other than the world, over that group, as Lightning does."""
         if _is_the_world(group):
-            if self.engine.layout.dp == 1:
+            if self.engine.layout.dp_cp == 1:
                 return tensor.unsqueeze(0)
             group = self.engine.mesh["dp"].get_group()
         return all_gather_over(tensor, group, sync_grads=sync_grads)

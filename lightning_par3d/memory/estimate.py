@@ -209,7 +209,7 @@ def estimate_memory(
         state = model_state_formula(  # dp_shard rank 0: the one whose chunks are never short
             shapes,
             stage=layout.zero,
-            n=layout.dp_shard,
+            n=layout.shard_ranks,
             param_bytes=param_b,
             grad_bytes=grad_b,
             optimizer=OPTIMIZER_STATE_LAYOUTS[optimizer],

@@ -213,7 +213,7 @@ class SharedMeasures:
         settings = tuple((f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)
                          if f.name not in self._EXCLUDED)  # fmt: skip
         shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else repr(t) for t in microbatch)
-        data_parallel = (layout.data_parallel, layout.zero, layout.dp_shard > 1, layout.dp_replicate > 1)
+        data_parallel = (layout.data_parallel, layout.zero, layout.shard_ranks > 1, layout.dp_replicate > 1)
         sizes = (layout.pp > 1, layout.tp, layout.ep, layout.dp_shard if layout.ep > 1 else None)
         key = (settings, shapes, data_parallel, sizes, layout.reshard_after_forward, precision, loss_fn)
         return self._measures.setdefault(key, {})

@@ -91,7 +91,7 @@ def shard_data_parallel(
     if mesh.layout.data_parallel != "fsdp":
         return
     dp_mesh = fsdp_mesh(mesh)
-    if mesh.layout.dp_shard == 1:
+    if mesh.layout.shard_ranks == 1:
         # Pure replication: nothing to gather, so one unit at the root gives DDP's single flat all-reduce instead
         # of one all-reduce (and one copy in and out) per block.
         blocks, reshard_after_forward = [], False

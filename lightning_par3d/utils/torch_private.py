@@ -146,6 +146,17 @@ def all_to_all_with_autograd(
     return wait_tensor(all_to_all_single(x, output_split_sizes, input_split_sizes, group))
 
 
+def all_gather_with_autograd(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` concatenated along ``dim`` in rank order, waited for; its backward
+    reduce-scatters the gradient (context parallelism's gathered keys and values).
+
+    Private: ``torch.distributed._functional_collectives.all_gather_tensor_autograd`` (torch has no public
+    all-gather with autograd that is not deprecated)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+
+    return wait_tensor(all_gather_tensor_autograd(x, dim, group))
+
+
 def functional_collective_ops() -> Any:
     """The op namespace of torch's functional collectives (``all_reduce``, ``all_gather_into_tensor`` …), whose
     outputs ``op``-mode activation checkpointing saves. The ops are registered only under this name.
