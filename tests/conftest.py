@@ -109,6 +109,7 @@ QUICK_PARITY = (
     "tests/test_accelerate.py::test_accelerate_parity_two_ranks[dp_shard=2]",  # Accelerate
     "tests/test_fabric_and_checkpoint.py::test_fabric_parity_dp2_tp2[plain]",  # Fabric
     "tests/test_parity.py::test_parity_four_ranks[hsdp=2x2]",  # HSDP
+    "tests/test_context_parallel.py::test_gpt_parity_four_ranks[cp=2xdp_shard=2]",  # context parallelism
 )
 """The parity cases of the quick tier: one per parallelism and front-end (a test of this list that disappears fails
 the tier's check, ``tests/test_tiers.py``)."""

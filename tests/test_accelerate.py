@@ -25,6 +25,7 @@ def reference(steps: int = 6, accumulate: int = 1, clip: float | None = None, n_
         pytest.param(dict(dp_shard=2), id="dp_shard=2"),
         pytest.param(dict(tp=2), id="tp=2"),
         pytest.param(dict(pp=2), id="pp=2-1f1b"),
+        pytest.param(dict(cp=2), id="cp=2"),
     ],
 )
 def test_accelerate_parity_two_ranks(pool2, strategy):

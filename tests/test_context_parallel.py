@@ -17,6 +17,7 @@ from lightning_par3d.parallel.context_parallel import positions_of
 from tests import hf_runs, padded_runs
 from tests.conftest import assert_parity
 from tests.gpt_runs import run_par3d, run_reference
+from tests.harness import RankError
 
 
 @functools.cache
@@ -102,3 +103,110 @@ def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
         max_steps=5,
     )[0]  # fmt: skip
     assert_parity(got, padded_reference(side, own_loss, accumulate))
+
+
+# ---------------------------------------------------------------- refusals, before any process group where possible
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(cp=2, pp=2), r"cp=2 with pp=2: pipeline stages do not carry"),
+        (dict(cp=2, ep=2, dp_shard=2), r"cp=2 with ep=2: experts are not split"),
+        (dict(cp=2, compile=True), r"cp=2 with compile=True"),
+        (dict(cp=2, loss_mean="microbatches"), r"cp=2 with loss_mean='microbatches'.*use loss_mean='tokens'"),
+        (dict(cp=2, dp_shard=2, zero_stage=1), r"cp=2 with zero_stage=1.*use zero_stage=3"),
+        (dict(cp=0), r"cp=0 must be a positive integer"),
+        (dict(cp=2, dp_shard=2, tp=2), r"pp × dp_replicate × dp_shard × cp × tp = 1 × 1 × 2 × 2 × 2 = 8.*is 4"),
+    ],
+)
+def test_bad_context_parallel_settings_are_refused_before_launch(settings, named):
+    from lightning_par3d import Par3DConfig
+    from lightning_par3d.config import resolve_layout
+
+    with pytest.raises(ValueError, match=named):
+        resolve_layout(Par3DConfig(**settings), 4)
+
+
+def test_the_layout_counts_cp_ranks_apart_from_data_parallel_ones():
+    from lightning_par3d import Par3DConfig
+    from lightning_par3d.config import resolve_layout
+    from lightning_par3d.distributed.mesh import Par3DMesh
+
+    layout = resolve_layout(Par3DConfig(cp=2, tp=2), 8)
+    assert (layout.dp_shard, layout.cp, layout.tp, layout.dp, layout.dp_cp, layout.zero) == (2, 2, 2, 2, 4, 3)
+    assert str(layout) == "pp=1 × dp_replicate=1 × dp_shard=2 × cp=2 × tp=2"
+    mesh = Par3DMesh(layout)
+    assert [mesh.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # cp and tp peers read the same rows
+    assert [mesh.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert mesh.group_ranks("cp", 5) == [5, 7]
+    assert mesh.all_group_ranks()["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("dp", 0) == [0, 2, 4, 6]  # the ranks whose gradients are summed
+
+
+def test_a_row_length_that_does_not_split_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"2 × cp = 4 equal chunks.*rows hold 30 tokens.*multiple of 4"):
+        positions_of(0, 2, 30)
+
+
+def _tiny_llama(**overrides: object) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_runs.module().model_config(), **overrides)
+
+
+def test_attention_cp_cannot_split_is_refused_by_name():
+    from lightning_par3d.parallel.context_parallel import check_model
+
+    check_model(_tiny_llama())  # sdpa: taken
+    with pytest.raises(
+        ValueError, match=r"attn_implementation='eager'.*Build the model with attn_implementation='sdpa'"
+    ):
+        check_model(_tiny_llama(attn_implementation="eager"))
+
+
+def test_sliding_window_attention_is_refused_not_replaced():
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par3d.parallel.context_parallel import check_model
+
+    config = hf_runs.module(dict(architecture="mistral")).model_config()
+    config.sliding_window = 8
+    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=8.*will not replace"):
+        check_model(AutoModelForCausalLM.from_config(config))
+    config.sliding_window = None
+    check_model(AutoModelForCausalLM.from_config(config))
+
+
+def _installed(trunk: torch.nn.Module, blocks: list[torch.nn.Module]) -> object:
+    from lightning_par3d.parallel.context_parallel import ContextParallel
+
+    return ContextParallel(trunk, blocks, group=None, cp_rank=0, cp=2, ignore_index=-100)
+
+
+def test_inputs_cp_cannot_cut_are_refused_by_name():
+    model = _tiny_llama()
+    cp = _installed(model, list(model.model.layers))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"a \(batch, sequence\) attention_mask.*shape \(2, 1, 16, 16\)"):
+        cp._cut(model, (ids,), {"attention_mask": torch.ones(2, 1, 16, 16)})
+    with pytest.raises(ValueError, match=r"token_type_ids= of shape \(2, 16\).*does not know how to split"):
+        cp._cut(model, (ids,), {"token_type_ids": torch.zeros(2, 16)})
+    with pytest.raises(ValueError, match=r"inputs_embeds is not supported"):
+        cp._cut(model, (), {"inputs_embeds": torch.zeros(2, 16, 32)})
+
+
+def test_a_trunk_without_position_ids_is_refused_with_the_fix():
+    class NoPositions(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    cp = _installed(NoPositions(), [])
+    with pytest.raises(TypeError, match=r"position_ids= argument, which its forward does not take.*position_ids=None"):
+        cp._cut(None, (torch.zeros(1, 8, dtype=torch.long),), {})
+
+
+def test_a_bad_row_length_fails_every_rank_instead_of_hanging(pool2):
+    with pytest.raises(RankError, match=r"rows hold 30 tokens") as info:
+        pool2.run(run_par3d, strategy=dict(cp=2), devices=2, model=dict(block_size=30), data=dict(block_size=30))
+    assert info.value.all_ranks_failed

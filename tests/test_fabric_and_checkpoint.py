@@ -55,6 +55,12 @@ def test_fabric_parity_dp2_tp2(pool4, clip):
     assert_parity(got, fabric_reference(clip))
 
 
+def test_fabric_parity_cp2_dp2(pool4):
+    """Context parallelism under Fabric: each row split over 2 ranks, 2 data-parallel ranks."""
+    got = pool4.run(fabric_job, devices=4, strategy=dict(cp=2, dp_shard=2))[0]
+    assert_parity(got, fabric_reference(None))
+
+
 def test_fabric_train_step_pp2_tp2(pool4):
     """`fabric.strategy.train_step` runs the 1F1B schedule at pp=2 × tp=2, with clipping over both stages."""
     got = pool4.run(fabric_job, devices=4, strategy=dict(pp=2, tp=2), clip=0.5, model=dict(n_layer=4))[0]

@@ -38,8 +38,8 @@ def test_dp_rank_orders_replicas_then_shards():
 def test_bad_queries_raise():
     with pytest.raises(ValueError, match="Rank 16 is outside the mesh of 16 ranks"):
         MESH.coords(16)
-    with pytest.raises(ValueError, match="Unknown mesh group 'cp'"):
-        MESH.group_ranks("cp", 0)
+    with pytest.raises(ValueError, match="Unknown mesh group 'sp'"):
+        MESH.group_ranks("sp", 0)
     with pytest.raises(ValueError, match="Coordinate tp=2 is outside the mesh"):
         MESH.rank_of(Coords(0, 0, 0, 2))
     with pytest.raises(RuntimeError, match="exists only after the processes have initialized"):

@@ -158,7 +158,8 @@ def test_pipeline_call_with_a_mask_is_refused_for_a_trunk_without_one():
     gpt = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32))
     ids = torch.zeros(2, 8, dtype=torch.long)
     check_pipeline_call(gpt, PendingPipelineOutput((ids,), {}))
-    with pytest.raises(TypeError, match=r"pipelined GPT cannot take the keyword argument 'attention_mask'.*\(x\)"):
+    named = r"pipelined GPT cannot take the keyword argument 'attention_mask'.*\(x, position_ids\)"
+    with pytest.raises(TypeError, match=named):
         check_pipeline_call(gpt, PendingPipelineOutput((ids,), {"attention_mask": ids}))
 
 

@@ -118,25 +118,16 @@ class TokenMean:
         """The read-ahead dataloaders being read, latest last (:func:`_training_source` says which a batch is from)."""
         self.current: BatchTokens | None = None
         self.cut: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
-        """Under cp > 1: a batch's targets at this rank's positions (``cut(targets, shifted)``): what its loss
-        counts."""
-        self._shared = False
-        self._checked = False
-        self._warned = False
+        """Under cp > 1: ``cut(targets, shifted)``, a batch's targets at this rank's positions (its loss counts)."""
+        self._shared = self._checked = self._warned = False
 
     @classmethod
     def of(cls, placement: Any, accumulation: Callable[[], int]) -> TokenMean:
         """The token mean of an engine's placement (its configuration's ``ignore_index`` and ``loss_tokens``, its
         data-parallel ranks and device), with the front-end's batches per optimizer step."""
         config, dp = placement.config, placement.layout.dp_cp
-        return cls(
-            config.ignore_index,
-            dp,
-            dp_group=(lambda: placement.dp_group()) if dp > 1 else (lambda: None),
-            device=lambda: placement.device,
-            accumulation=accumulation,
-            where=config.loss_tokens,
-        )
+        group = (lambda: placement.dp_group()) if dp > 1 else (lambda: None)
+        return cls(config.ignore_index, dp, group, lambda: placement.device, accumulation, config.loss_tokens)
 
     # ---------------------------------------------------------------- a training batch
     def start_batch(self) -> None:
@@ -308,8 +299,7 @@ class TokenWindows:
         try:
             shift, where, ignore, cut = self.shift(), self.tokens.where, self.tokens.ignore_index, self.tokens.cut
             targets = [batch_targets(b, where, shift) for b in read]
-            if cut is not None:
-                targets = [cut(t, shift) for t in targets]
+            targets = [cut(t, shift) for t in targets] if cut is not None else targets
             return _Window([int(real_tokens(t, ignore)) for t in targets], read=read)
         except (ValueError, TypeError) as error:
             return _Window([0] * len(read), error, read=read)
@@ -379,10 +369,7 @@ def _transformers_loss(tokens: TokenMean, loss_function: LossFn) -> LossFn:
 
 
 def _unwrapped(loss: Any) -> Any:
-    """``loss`` without par3d's wrappers (this module's, and context parallelism's target cut)."""
-    while hasattr(loss, "__wrapped__") and (
-        getattr(loss, "__module__", None) == __name__ or getattr(loss, "_par3d_loss_wrapper", False)
-    ):
+    while hasattr(loss, "__wrapped__") and (loss.__module__ == __name__ or hasattr(loss, "_par3d_loss_wrapper")):
         loss = loss.__wrapped__
     return loss
 

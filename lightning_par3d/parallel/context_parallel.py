@@ -5,8 +5,8 @@
 late (costly) queries: torch's, torchtitan's and Megatron's load balancing. ``T`` must divide by ``2·cp``.
 
 **Where the sequence is cut.** The *trunk* (the transformers model inside the module, else the module's
-``pipeline_trunk``) gets a forward pre-hook (:class:`ContextParallel`) that, on every call, takes the whole rows it
-is given and passes on this rank's tokens only:
+``pipeline_trunk``, else the model itself) gets a forward pre-hook (:class:`ContextParallel`) that, on every call,
+takes the whole rows it is given and passes on this rank's tokens only:
 
 * the token ids (the first positional argument or ``input_ids``), at this rank's positions;
 * ``position_ids``: the tokens' *global* positions (the caller's own, cut the same way, or ``0 … T−1``), so that
@@ -334,17 +334,18 @@ class ContextParallel:
 
 def find_trunk(module: nn.Module) -> nn.Module:
     """The module whose calls take the token ids: the transformers model inside ``module``, else its
-    ``pipeline_trunk``."""
+    ``pipeline_trunk``, else ``module`` itself (a plain model)."""
     found = find_transformers_model(module)
     if found is not None:
         return found[1]
     name = getattr(module, "pipeline_trunk", None)
+    if name is None:
+        return module
     trunk = getattr(module, name, None) if isinstance(name, str) else None
     if not isinstance(trunk, nn.Module):
         raise TypeError(
-            f"cp > 1 cuts the token ids where the model takes them, but {type(module).__name__} holds no transformers "
-            "model and declares no pipeline_trunk. Declare `pipeline_trunk = '<attribute of the model>'` (see "
-            "lightning_par3d.pipeline.trunk)."
+            f"cp > 1 cuts the token ids where the model takes them: {type(module).__name__}.pipeline_trunk={name!r} "
+            "names no module of it. Name the attribute that holds the model (see lightning_par3d.pipeline.trunk)."
         )
     return trunk
 
