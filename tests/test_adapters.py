@@ -97,6 +97,7 @@ def reference(architecture: str = "llama") -> dict:
         pytest.param(dict(dp_shard=2, tp=2, tp_plan="auto"), id="dp2xtp2"),
         pytest.param(dict(dp_shard=2, dp_replicate=2), id="hsdp-dp_shard2xdp_replicate2"),
         pytest.param(dict(pp=2, dp_shard=2, microbatches=2, activation_checkpointing="full"), id="pp2xdp2-full-ac"),
+        pytest.param(dict(cp=2, dp_shard=2), id="cp2xdp2"),
     ],
 )
 def test_lora_trains_as_one_process_and_leaves_the_base_as_it_was(pool4, strategy):

@@ -65,6 +65,11 @@ def llama_reference() -> dict:
     return hf_runs.run_reference()
 
 
+def test_llama_parity_two_ranks(pool2):
+    got = pool2.run(hf_runs.run_par3d, strategy=dict(cp=2), devices=2)[0]
+    assert_parity(got, llama_reference())
+
+
 @pytest.mark.parametrize(
     "strategy",
     [

@@ -75,6 +75,8 @@ LAYOUTS = [
     pytest.param(dict(dp_shard=2, tp=2, sequence_parallel=True), 4, id="dp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, tp=2, sequence_parallel=True), 4, id="pp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, tp=2, activation_checkpointing="op"), 4, id="pp2xtp2-op-ac"),
+    pytest.param(dict(cp=2, dp_shard=2), 4, id="cp2xdp2"),
+    pytest.param(dict(cp=2, tp=2, sequence_parallel=True), 4, id="cp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, pipeline_schedule="gpipe", microbatches=4), 2, id="pp2-gpipe"),
     pytest.param(
         dict(pp=2, pipeline_schedule="interleaved_1f1b", virtual_stages=2, microbatches=4), 2, id="pp2-interleaved"
@@ -89,7 +91,7 @@ def test_estimate_matches_measurement(strategy, pool):
     precision = strategy.pop("precision", "32-true")
     measured = pool.run(measure_job, strategy=strategy, devices=devices, precision=precision)
     config = Par3DConfig(**strategy)
-    dp = devices // (config.pp * config.tp)
+    dp = devices // (config.pp * config.tp * config.cp)
     batch = (GLOBAL_BATCH // dp, MODEL["block_size"])
     estimate = estimate_memory(GPTModule(**DEEP), config, devices, batch, precision=precision)
     for rank, got in enumerate(measured):

@@ -224,6 +224,7 @@ LAYOUT_CHANGES = [
     pytest.param(dict(pp=2, tp=2), dict(dp_shard=4), id="pp2xtp2-to-dp_shard4"),
     pytest.param(dict(dp_shard=4, zero_stage=1), dict(pp=2, tp=2), id="zero1-to-pp2xtp2"),
     pytest.param(dict(dp_replicate=4), dict(dp_shard=4), id="ddp-to-fsdp2"),
+    pytest.param(dict(cp=2, dp_shard=2), dict(cp=4), id="cp2xdp2-to-cp4"),
 ]
 
 

@@ -44,6 +44,7 @@ def bf16_job(strategy: dict, devices: int, precision: str) -> dict:
         pytest.param(dict(zero_stage=0), None, id="zero0-ddp"),
         pytest.param(dict(tp=2), None, id="tp2"),
         pytest.param(dict(pp=2), None, id="pp2"),
+        pytest.param(dict(cp=2), "torch.bfloat16", id="cp2"),
     ],
 )
 def test_bf16_mixed_trains_close_to_fp32(pool2, strategy, gather):

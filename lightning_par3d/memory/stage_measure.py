@@ -43,6 +43,7 @@ from lightning_par3d.distributed.groups import fake_group
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import SavedTensorMeter
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
+from lightning_par3d.parallel.context_parallel import apply_context_parallel, cut_declared_loss
 from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
@@ -340,6 +341,11 @@ class _Part:
         experts = build.find_experts(root, layout.ep) if layout.ep > 1 else None
         if layout.pp == 1:
             blocks = find_ac_blocks(root, config.ac_blocks)
+            if layout.cp > 1:  # rank 0's slice of each row, attending to the gathered keys and values, as the run
+                context = apply_context_parallel(root, build.find_blocks(root, config.fsdp_blocks), self.mesh.cp_group,
+                                                 0, layout.cp, config.ignore_index)  # fmt: skip
+                cut_declared_loss(root, None)
+                loss_fn = context.cut_loss(loss_fn) if loss_fn is not None else None
             with fake_mode_paused():
                 blocks_ = build.fsdp_blocks(root, config, layout)
                 build.parallelize_part(root, self.mesh, config, self.precision, fqn_styles, blocks_, experts=experts)
