@@ -118,7 +118,9 @@ def main() -> None:
         f"{ACCELERATOR.upper()} ranks a job, launched as users launch it, on {machine}; {args.steps - args.warmup} "
         f"kept steps; activation budget {args.budget_mib:g} MiB a rank\n"
     )
-    print("| cp | layout | sequence | ms/step | tokens/s | activations MiB/rank | model state MiB/rank | CUDA peak MiB |")
+    print(
+        "| cp | layout | sequence | ms/step | tokens/s | activations MiB/rank | model state MiB/rank | CUDA peak MiB |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for cp in cps:
         for row in results[cp]:
