@@ -36,6 +36,7 @@ from lightning_par3d.parallel.activation_checkpoint import apply_activation_chec
 from lightning_par3d.parallel.compile import compile_blocks, is_compiled, training_without_kv_cache
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.context_parallel import apply_context_parallel
+from lightning_par3d.parallel.context_pipeline import apply_stage_context_parallel
 from lightning_par3d.parallel.data_parallel import find_blocks, replicate_with_ddp, shard_data_parallel
 from lightning_par3d.parallel.expert_parallel import ExpertSpec, apply_expert_parallel, find_experts
 from lightning_par3d.parallel.lora_plan import adapter_plan
@@ -115,7 +116,7 @@ def parallelize(
     stage_plan = plan_pipeline(module, spec, config, layout) if spec is not None else None
     blocks = fsdp_blocks(module, config, layout) if spec is None else []
 
-    if layout.cp > 1:  # hooks on the trunk and its blocks, before activation checkpointing wraps them
+    if layout.cp > 1 and spec is None:  # hooks on the trunk and its blocks, before checkpointing wraps them
         rank = dist.get_rank()
         apply_context_parallel(module, find_blocks(module, config.fsdp_blocks), mesh.cp_group, mesh.cp_rank(rank),
                                layout.cp, config.ignore_index)  # fmt: skip
@@ -271,6 +272,9 @@ def parallelize_stage(
     how many blocks are checkpointed."""
     styles = stage_styles(fqn_styles, stage, trunk_attr)
     own = [stage.get_submodule(name) for name in plan.blocks[index]]
+    if mesh.layout.cp > 1:  # each microbatch's rows sliced at the stage, before checkpointing wraps its blocks
+        cp_rank = mesh.cp_rank(dist.get_rank())
+        apply_stage_context_parallel(stage, own, mesh.cp_group, cp_rank, mesh.layout.cp, config.ignore_index)
     first_index = sum(len(names) for names in plan.blocks[:index])
     units = own if mesh.layout.shard_ranks > 1 else []
     return parallelize_part(stage, mesh, config, precision, styles, units, (own, first_index), experts=experts)

@@ -45,6 +45,7 @@ def test_gpt_parity_two_ranks(pool2, strategy):
         pytest.param(dict(cp=2, dp_shard=2), {}, id="cp=2xdp_shard=2"),
         pytest.param(dict(cp=2, tp=2), {}, id="cp=2xtp=2"),
         pytest.param(dict(cp=4), {}, id="cp=4"),
+        pytest.param(dict(cp=2, pp=2), {}, id="pp=2xcp=2"),
         pytest.param(
             dict(cp=2, dp_shard=2, activation_checkpointing="full"),
             dict(accumulate_grad_batches=2),
@@ -55,6 +56,18 @@ def test_gpt_parity_two_ranks(pool2, strategy):
 def test_gpt_parity_four_ranks(pool4, strategy, overrides):
     got = pool4.run(run_par3d, strategy=strategy, devices=4, **overrides)[0]
     assert_parity(got, gpt_reference(**overrides))
+
+
+def test_compiled_blocks_gather_the_whole_rows_keys(pool2):
+    """``compile=True``: each block compiled with the context-parallel attention inside it (traced with
+    ``aot_eager``), on one process's trajectory, and compiled once."""
+    from tests.compile_runs import run_compiled
+
+    strategy = dict(cp=2, compile=True, compile_options={"backend": "aot_eager"})
+    ranks = pool2.run(run_compiled, strategy=strategy, devices=2, max_steps=4)
+    assert_parity(ranks[0], gpt_reference(max_steps=4))
+    for rank in ranks:
+        assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][0], rank["graphs"]
 
 
 # ---------------------------------------------------------------- a transformers Llama (SDPA), as it is
@@ -70,12 +83,22 @@ def test_llama_parity_two_ranks(pool2):
     assert_parity(got, llama_reference())
 
 
+def test_llama_without_a_kv_cache_gathers_the_same_shapes_on_every_rank(pool2):
+    """Without a KV cache (``use_cache=False``, as ``compile=True`` sets it) transformers reads the positions of a
+    rank's slice for packed documents: rank 0's two chunks look packed and get a mask (and keys and values repeated
+    for the query heads), rank 1's contiguous ones do not. Each rank's keys are gathered once per key/value head."""
+    model = dict(config_overrides={"use_cache": False})
+    got = pool2.run(hf_runs.run_par3d, strategy=dict(cp=2), devices=2, model=model)[0]
+    assert_parity(got, hf_runs.run_reference(model=model))
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
         pytest.param(dict(cp=2, dp_shard=2), id="cp=2xdp_shard=2"),
         pytest.param(dict(cp=2, tp=2, tp_plan="auto"), id="cp=2xtp=2-own-plan"),
         pytest.param(dict(cp=2, tp=2, tp_plan="auto", sequence_parallel=True), id="cp=2xtp=2-sequence-parallel"),
+        pytest.param(dict(cp=2, pp=2, microbatches=2), id="pp=2xcp=2"),
     ],
 )
 def test_llama_parity(pool4, strategy):
@@ -96,6 +119,8 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
         pytest.param("right", True, 2, dict(cp=2, dp_shard=2), id="right-padded-own-loss-cp=2xdp_shard=2-accumulate2"),
         pytest.param("packed", False, 1, dict(cp=2, dp_shard=2), id="packed-documents-cp=2xdp_shard=2"),
         pytest.param("packed", True, 1, dict(cp=4), id="packed-own-loss-cp=4"),
+        pytest.param("left", False, 1, dict(cp=2, pp=2, microbatches=4), id="left-padded-pp=2xcp=2"),
+        pytest.param("packed", False, 2, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2-accumulate2"),
     ],
 )
 def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
@@ -116,9 +141,8 @@ def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (dict(cp=2, pp=2), r"cp=2 with pp=2: pipeline stages do not carry"),
+        (dict(cp=2, pp=2, activation_checkpointing="full"), r"cp=2 with pp=2 and activation_checkpointing='full'"),
         (dict(cp=2, ep=2, dp_shard=2), r"cp=2 with ep=2: experts are not split"),
-        (dict(cp=2, compile=True), r"cp=2 with compile=True"),
         (dict(cp=2, loss_mean="microbatches"), r"cp=2 with loss_mean='microbatches'.*use loss_mean='tokens'"),
         (dict(cp=2, dp_shard=2, zero_stage=1), r"cp=2 with zero_stage=1.*use zero_stage=3"),
         (dict(cp=0), r"cp=0 must be a positive integer"),

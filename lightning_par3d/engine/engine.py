@@ -36,6 +36,7 @@ from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.engine import collectives, records, router_loss, saving, steps, tokens
+from lightning_par3d.engine.context_rows import cut_call
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
 from lightning_par3d.engine.placement import Placement
 from lightning_par3d.parallel.compression import compression_of
@@ -243,6 +244,8 @@ class Par3DEngine:
         if train is None:
             train = self.module.training and torch.is_grad_enabled()
         share, accumulate = None, self.accumulate_grad_batches
+        if self._context is not None:  # cp: this rank's positions of the ids and the targets
+            pending, targets = cut_call(pending, targets, self._context)
         if train and self.token_mean is not None:
             share, accumulate = tokens.pipeline_share(self.token_mean, targets)
         return runner.run(
@@ -278,6 +281,8 @@ class Par3DEngine:
     def forward_only(self, pending: PendingPipelineOutput) -> Any:
         """Under pp: the trunk's outputs for one call, forward only, broadcast to every pipeline rank."""
         runner = self._require_pipeline()
+        if self._context is not None:
+            pending, _ = cut_call(pending, None, self._context)
         with torch.no_grad():
             return runner.share_outputs(runner.predict(pending, self.device), self.device)
 
@@ -286,7 +291,10 @@ class Par3DEngine:
         with torch.no_grad():
             if self.layout.pp == 1:
                 return steps.call(model, inputs)
-            return self._require_pipeline().predict(steps.pending(inputs), self.device)
+            pending = steps.pending(inputs)
+            if self._context is not None:
+                pending, _ = cut_call(pending, None, self._context)
+            return self._require_pipeline().predict(pending, self.device)
 
     def _require_pipeline(self) -> PipelineRunner:
         runner = self.pipeline

@@ -178,7 +178,7 @@ class TokenMean:
             )
         self._shared = True
         share = count.to(mean.dtype) * (self.dp * batches) / total.to(mean.dtype)
-        return mean * share
+        return torch.where(count > 0, mean, 0.0) * share  # a piece without real tokens (its mean NaN) adds nothing
 
     def backward_factor(self, divided_by: int) -> float:
         """What a front-end multiplies a training loss by before its backward, when its framework divides the loss by

@@ -43,7 +43,7 @@ from lightning_par3d.distributed.groups import fake_group
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import SavedTensorMeter
 from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
-from lightning_par3d.parallel.context_parallel import apply_context_parallel, cut_declared_loss
+from lightning_par3d.parallel.context_parallel import apply_context_parallel, cut_declared_loss, positions_of
 from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
@@ -372,14 +372,26 @@ class _Part:
             else torch.empty(carried.shape, dtype=carried.dtype, device=carried.device, requires_grad=True)
         )
         last = self.stage == layout.n_stages - 1
+        targets, kwargs = list(microbatch[1:]), {}
+        if layout.cp > 1:  # rank 0's positions of the ids and targets, whole-row positions to every stage (the run's)
+            rows, length = microbatch[0].shape[:2]
+            positions = positions_of(0, layout.cp, length, microbatch[0].device)
+            inputs = inputs[:, positions] if self.stage == 0 else inputs
+            targets = [t[:, positions] if _along(t, length) else t for t in targets]
+            kwargs = {"position_ids": torch.arange(length, device=positions.device).expand(rows, length)}
 
         def run() -> Any:
-            output = part(inputs)
+            output = part(inputs, **kwargs)
             if last:
-                getattr(root, spec.loss)(output, *microbatch[1:])
+                getattr(root, spec.loss)(output, *targets)
             return output
 
         return part, blocks, run
+
+
+def _along(t: Any, length: int) -> bool:
+    """Whether ``t`` is a tensor along a sequence of ``length`` tokens (batch first)."""
+    return isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == length
 
 
 def _declared_blocks(root: nn.Module) -> list[str] | None:

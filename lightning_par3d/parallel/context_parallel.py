@@ -161,6 +161,10 @@ class ContextParallel:
         self.in_block = 0
         """Blocks being run (their attention is taken; the gathered call itself passes the trunk's check)."""
         self._handles: list[Any] = []
+        config = getattr(trunk, "config", None)
+        heads, kv_heads = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", None)
+        self.kv_ratio = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads else 1
+        """Query heads per key/value head of a transformers model (grouped-query attention), else 1."""
         takes = inspect.signature(trunk.forward).parameters
         self._kwargs_ok = any(p.kind is p.VAR_KEYWORD for p in takes.values())
         self._takes = set(takes)
@@ -214,25 +218,10 @@ class ContextParallel:
                 f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else tuple(ids.shape)}."
             )
         batch, length = ids.shape
-        check_length(length, self.cp)
-        device = ids.device
-        positions = positions_of(self.cp_rank, self.cp, length, device)
-        keys = torch.cat([positions_of(r, self.cp, length, device) for r in range(self.cp)])
         mask = kwargs.pop("attention_mask", None)
-        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (batch, length)):
-            raise ValueError(
-                f"cp > 1 honours a (batch, sequence) attention_mask of 1s (real tokens) and 0s (padding); got one of "
-                f"shape {tuple(mask.shape)}. A mask of the model's own shape cannot be split over the cp ranks."
-            )
         given = kwargs.get("position_ids")
-        documents = None
-        if given is not None and mask is None and self._reads_documents(kwargs):
-            # packed rows: a document begins where the positions do not go on (transformers' own rule)
-            first = given[..., :1] - 1
-            documents = (torch.diff(given, prepend=first, dim=-1) != 1).cumsum(-1)
-            documents = documents.expand(batch, length)
-        key_valid = mask.bool() if mask is not None and not bool(mask.bool().all()) else None
-        self.current = SequenceSlice(length, positions, keys, key_valid, documents)
+        self.current = self.slice_rows(batch, length, ids.device, mask, given, kwargs)
+        positions = self.current.positions
         local = ids[:, positions]
         if args:
             args[0] = local
@@ -250,6 +239,26 @@ class ContextParallel:
         outside.__enter__()
         self._modes.append(outside)
         return tuple(args), kwargs
+
+    def slice_rows(self, batch: int, length: int, device: torch.device, mask: torch.Tensor | None,
+                   given: torch.Tensor | None, kwargs: dict[str, Any]) -> SequenceSlice:  # fmt: skip
+        """This rank's :class:`SequenceSlice` of ``batch`` rows of ``length`` tokens, with the caller's whole-row
+        ``attention_mask`` and ``position_ids`` (None: not given)."""
+        check_length(length, self.cp)
+        positions = positions_of(self.cp_rank, self.cp, length, device)
+        keys = torch.cat([positions_of(r, self.cp, length, device) for r in range(self.cp)])
+        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (batch, length)):
+            raise ValueError(
+                f"cp > 1 honours a (batch, sequence) attention_mask of 1s (real tokens) and 0s (padding); got one of "
+                f"shape {tuple(mask.shape)}. A mask of the model's own shape cannot be split over the cp ranks."
+            )
+        documents = None
+        if given is not None and mask is None and self._reads_documents(kwargs):
+            # packed rows: a document begins where the positions do not go on (transformers' own rule)
+            first = given[..., :1] - 1
+            documents = (torch.diff(given, prepend=first, dim=-1) != 1).cumsum(-1).expand(batch, length)
+        key_valid = mask.bool() if mask is not None and not bool(mask.bool().all()) else None
+        return SequenceSlice(length, positions, keys, key_valid, documents)
 
     def _reads_documents(self, kwargs: dict[str, Any]) -> bool:
         """Whether the model masks packed documents apart, as transformers does for ``position_ids`` without an
@@ -292,6 +301,14 @@ class ContextParallel:
         if current is None:
             raise RuntimeError("cp > 1: attention ran before the model's trunk cut its rows.")
         current.attended += 1
+        if self.kv_ratio > 1 and key.shape[-3] == query.shape[-3]:
+            # keys and values a transformers model repeated for its query heads (repeat_kv: each key/value head
+            # n times in a row), which it does on some ranks and not others (its mask of a slice may differ): each
+            # head gathered once, attended with enable_gqa, so every rank gathers the same shapes
+            key, value = (
+                t.unflatten(-3, (t.shape[-3] // self.kv_ratio, self.kv_ratio))[..., 0, :, :] for t in (key, value)
+            )
+        enable_gqa = enable_gqa or key.shape[-3] != query.shape[-3]
         seq = key.dim() - 2
         keys = all_gather_with_autograd(key.contiguous(), seq, self.group)
         values = all_gather_with_autograd(value.contiguous(), seq, self.group)

@@ -150,11 +150,11 @@ def all_gather_with_autograd(x: torch.Tensor, dim: int, group: Any) -> torch.Ten
     """Every rank's ``x`` of ``group`` concatenated along ``dim`` in rank order, waited for; its backward
     reduce-scatters the gradient (context parallelism's gathered keys and values).
 
-    Private: ``torch.distributed._functional_collectives.all_gather_tensor_autograd`` (torch has no public
-    all-gather with autograd that is not deprecated)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+    Private: ``torch.distributed._functional_collectives.all_gather_single`` (differentiable since torch 2.12;
+    torch has no public all-gather with autograd that is not deprecated)."""
+    from torch.distributed._functional_collectives import all_gather_single, wait_tensor
 
-    return wait_tensor(all_gather_tensor_autograd(x, dim, group))
+    return wait_tensor(all_gather_single(x, dim, group))
 
 
 def functional_collective_ops() -> Any:
