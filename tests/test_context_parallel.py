@@ -46,6 +46,7 @@ def test_gpt_parity_two_ranks(pool2, strategy):
         pytest.param(dict(cp=2, tp=2), {}, id="cp=2xtp=2"),
         pytest.param(dict(cp=4), {}, id="cp=4"),
         pytest.param(dict(cp=2, pp=2), {}, id="pp=2xcp=2"),
+        pytest.param(dict(cp=2, pp=2, activation_checkpointing="full"), {}, id="pp=2xcp=2-checkpointed"),
         pytest.param(
             dict(cp=2, dp_shard=2, activation_checkpointing="full"),
             dict(accumulate_grad_batches=2),
@@ -120,6 +121,10 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
         pytest.param("packed", False, 1, dict(cp=2, dp_shard=2), id="packed-documents-cp=2xdp_shard=2"),
         pytest.param("packed", True, 1, dict(cp=4), id="packed-own-loss-cp=4"),
         pytest.param("left", False, 1, dict(cp=2, pp=2, microbatches=4), id="left-padded-pp=2xcp=2"),
+        pytest.param(
+            "left", False, 1, dict(cp=2, pp=2, microbatches=4, activation_checkpointing="full"),
+            id="left-padded-pp=2xcp=2-checkpointed",
+        ),
         pytest.param("packed", False, 2, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2-accumulate2"),
     ],
 )
@@ -141,7 +146,6 @@ def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (dict(cp=2, pp=2, activation_checkpointing="full"), r"cp=2 with pp=2 and activation_checkpointing='full'"),
         (dict(cp=2, ep=2, dp_shard=2), r"cp=2 with ep=2: experts are not split"),
         (dict(cp=2, loss_mean="microbatches"), r"cp=2 with loss_mean='microbatches'.*use loss_mean='tokens'"),
         (dict(cp=2, dp_shard=2, zero_stage=1), r"cp=2 with zero_stage=1.*use zero_stage=3"),

@@ -259,10 +259,6 @@ def _check_context_static(config: Par3DConfig, errors: _Errors) -> None:
     refusals = {
         "layout='auto'": (config.layout == "auto", "the planner does not choose context-parallel layouts yet: give "
                           "the sizes yourself, or leave cp=1 for the planner"),
-        f"pp={config.pp} and activation_checkpointing={config.activation_checkpointing!r}": (
-            config.pp != 1 and config.activation_checkpointing != "none",
-            "a pipeline schedule recomputes a block after later microbatches' forwards, whose rows' slices differ: "
-            "use activation_checkpointing='none' under pp, or pp=1"),
         f"ep={config.ep}": (config.ep != 1, "experts are not split over context-parallel ranks yet: use ep=1"),
         "elastic=True": (config.elastic is True, "a changed world does not re-plan cp yet: use elastic=False"),
         f"loss_mean={config.loss_mean!r}": (config.loss_mean != "tokens", "each rank holds a slice of every row, and "

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.utils.model_changes import set_attribute, swap_class
 from lightning_par3d.utils.patterns import find_transformers_model, is_transformers_model
@@ -126,7 +127,7 @@ class _AttendingBlock(nn.Module):
     backward runs this forward again): the block's forward runs under :meth:`ContextParallel.block`."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with getattr(self, _MARK).block():
+        with getattr(self, _MARK).block(args[0] if args else None):
             return super().forward(*args, **kwargs)
 
 
@@ -160,6 +161,10 @@ class ContextParallel:
         self._modes: list[TorchFunctionMode] = []
         self.in_block = 0
         """Blocks being run (their attention is taken; the gathered call itself passes the trunk's check)."""
+        self._attending: list[SequenceSlice | None] = []
+        """The rows' slice of each block being run, innermost last."""
+        self._rows_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Each block input's slice, for its recomputation (held while the input lives)."""
         self._handles: list[Any] = []
         config = getattr(trunk, "config", None)
         heads, kv_heads = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", None)
@@ -186,13 +191,21 @@ class ContextParallel:
             delattr(self.trunk, _MARK)
 
     @contextmanager
-    def block(self) -> Iterator[None]:
-        """A block's forward (or its recomputation in backward): its attention takes the whole sequence's keys."""
+    def block(self, hidden: Any = None) -> Iterator[None]:
+        """A block's forward (or its recomputation in backward): its attention takes the whole sequence's keys, masked
+        by the slice of the rows its input ``hidden`` belongs to. Activation checkpointing recomputes the block with
+        the same input object, maybe after the forwards of other rows (a pipeline's later microbatches): the slice
+        is found again by that object."""
+        rows = self.current
+        if isinstance(hidden, torch.Tensor):
+            rows = self._rows_of.setdefault(hidden, rows)
         self.in_block += 1
+        self._attending.append(rows)
         try:
             with _GatheredAttention(self):
                 yield
         finally:
+            self._attending.pop()
             self.in_block -= 1
 
     def _trunk_done(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -297,7 +310,7 @@ class ContextParallel:
         """``scaled_dot_product_attention`` of this rank's queries against every rank's keys and values."""
         from lightning_par3d.utils.torch_private import all_gather_with_autograd
 
-        current = self.current
+        current = self._attending[-1] if self._attending else self.current
         if current is None:
             raise RuntimeError("cp > 1: attention ran before the model's trunk cut its rows.")
         current.attended += 1
