@@ -122,7 +122,10 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
         pytest.param("packed", True, 1, dict(cp=4), id="packed-own-loss-cp=4"),
         pytest.param("left", False, 1, dict(cp=2, pp=2, microbatches=4), id="left-padded-pp=2xcp=2"),
         pytest.param(
-            "left", False, 1, dict(cp=2, pp=2, microbatches=4, activation_checkpointing="full"),
+            "left",
+            False,
+            1,
+            dict(cp=2, pp=2, microbatches=4, activation_checkpointing="full"),
             id="left-padded-pp=2xcp=2-checkpointed",
         ),
         pytest.param("packed", False, 2, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2-accumulate2"),
