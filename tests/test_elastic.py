@@ -92,8 +92,8 @@ def reference_rows(padded: bool = False) -> list[set[tuple[int, ...]]]:
     return steps
 
 
-ELASTIC_LAYOUTS = [LAYOUT, dict(pp=2, dp_shard=2, microbatches=2)]
-"""On 4 ranks; on 2, tp=2 alone and pp=2 alone."""
+ELASTIC_LAYOUTS = [LAYOUT, dict(pp=2, dp_shard=2, microbatches=2), dict(cp=2, dp_shard=2)]
+"""On 4 ranks; on 2, tp=2 alone, pp=2 alone and cp=2 alone."""
 
 
 def layout_id(layout: dict[str, Any]) -> str:
@@ -151,6 +151,11 @@ def test_relayout_keeps_pp_and_tp_and_gives_data_parallelism_the_rest():
     assert (hsdp.pp, hsdp.dp_replicate, hsdp.dp_shard) == (2, 2, 4)
     with pytest.raises(ValueError, match=r"a world of 2 ranks cannot keep pp=1 × tp=4 = 4, which must divide"):
         relayout(Par3DConfig(tp=4, elastic=True), 2)
+    context, note = relayout(Par3DConfig(cp=2, tp=2, dp_shard=2, elastic=True), 4)
+    assert (context.cp, context.tp, context.dp_shard) == (2, 2, 1)
+    assert note is not None and "pp=1 × tp=2 × cp=2 kept" in note
+    with pytest.raises(ValueError, match=r"cannot keep pp=1 × tp=1 × cp=4 = 4.*or lower tp, pp or cp"):
+        relayout(Par3DConfig(cp=4, elastic=True), 6)
 
 
 def test_accumulation_keeps_the_global_batch_or_says_why_it_cannot():

@@ -4,9 +4,9 @@ When a node is lost or joins, torchrun's elastic agent (``--nnodes=MIN:MAX --max
 restarts every rank at the new world size, and the script runs again from its start. Three things then decide
 whether the run continues the trajectory it was on:
 
-1. **The layout** (:func:`relayout`): the sizes the user set stay where they still divide the world (``pp`` and
-   ``tp``: a model's split, and tensor parallelism inside a node); data parallelism takes the rest. A world that
-   ``pp × tp`` does not divide ends with a message that says so, before any process group exists.
+1. **The layout** (:func:`relayout`): the sizes the user set stay where they still divide the world (``pp``,
+   ``tp`` and ``cp``: a model's split, tensor parallelism inside a node, the rows' split); data parallelism takes
+   the rest. A world that ``pp × tp × cp`` does not divide ends with a message that says so, before any process group exists.
 2. **The global batch** (:func:`accumulation_for`): samples per optimizer step = per-rank batch × data-parallel size
    × ``accumulate_grad_batches``. The checkpoint records it (:class:`ElasticState`); at a new data-parallel size the
    accumulation is what keeps it, or the resume is refused when no whole number does.
@@ -35,8 +35,9 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 
 def relayout(config: Par3DConfig, world_size: int) -> tuple[Par3DConfig, str | None]:
     """The configuration to train ``world_size`` ranks with: ``config`` itself where its sizes fit, else the same
-    ``pp`` and ``tp`` with data parallelism over the rest (``dp_replicate`` kept where it still divides it, as HSDP),
-    and a line saying what changed. Raises ``ValueError`` when ``pp × tp`` does not divide the world."""
+    ``pp``, ``tp`` and ``cp`` with data parallelism over the rest (``dp_replicate`` kept where it still divides it,
+    as HSDP), and a line saying what changed. Raises ``ValueError`` when ``pp × tp × cp`` does not divide the
+    world."""
     if config.layout == "auto":
         return config, None
     try:
@@ -44,12 +45,13 @@ def relayout(config: Par3DConfig, world_size: int) -> tuple[Par3DConfig, str | N
         return config, None
     except ValueError:
         pass
-    fixed = config.pp * config.tp
+    fixed = config.pp * config.tp * config.cp
+    kept = f"pp={config.pp} × tp={config.tp}" + (f" × cp={config.cp}" if config.cp > 1 else "")
     if world_size % fixed:
         raise ValueError(
-            f"elastic: a world of {world_size} ranks cannot keep pp={config.pp} × tp={config.tp} = {fixed}, which "
-            f"must divide the world size. Launch a multiple of {fixed} ranks (torchrun --nnodes MIN:MAX with MIN "
-            f"nodes holding at least {fixed} ranks), or lower tp or pp."
+            f"elastic: a world of {world_size} ranks cannot keep {kept} = {fixed}, which must divide the world size. "
+            f"Launch a multiple of {fixed} ranks (torchrun --nnodes MIN:MAX with MIN nodes holding at least {fixed} "
+            f"ranks), or lower tp, pp{' or cp' if config.cp > 1 else ''}."
         )
     rest = world_size // fixed
     replicas = config.dp_replicate if rest % config.dp_replicate == 0 else 1
@@ -58,7 +60,7 @@ def relayout(config: Par3DConfig, world_size: int) -> tuple[Par3DConfig, str | N
     changed = dataclasses.replace(config, dp_replicate=replicas, dp_shard=shard, dp=None, zero_stage=zero)
     layout = resolve_layout(changed, world_size)
     assert layout is not None
-    return changed, f"elastic: {world_size} ranks, so {layout} (pp={config.pp} and tp={config.tp} kept)"
+    return changed, f"elastic: {world_size} ranks, so {layout} ({kept} kept)"
 
 
 ELASTIC_FRONT_ENDS = ("Par3DStrategy",)
