@@ -6,7 +6,8 @@ whether the run continues the trajectory it was on:
 
 1. **The layout** (:func:`relayout`): the sizes the user set stay where they still divide the world (``pp``,
    ``tp`` and ``cp``: a model's split, tensor parallelism inside a node, the rows' split); data parallelism takes
-   the rest. A world that ``pp × tp × cp`` does not divide ends with a message that says so, before any process group exists.
+   the rest. A world that ``pp × tp × cp`` does not divide ends with a message that says so, before any process
+   group exists.
 2. **The global batch** (:func:`accumulation_for`): samples per optimizer step = per-rank batch × data-parallel size
    × ``accumulate_grad_batches``. The checkpoint records it (:class:`ElasticState`); at a new data-parallel size the
    accumulation is what keeps it, or the resume is refused when no whole number does.
