@@ -228,6 +228,8 @@ def test_inputs_cp_cannot_cut_are_refused_by_name():
         cp._cut(model, (ids,), {"attention_mask": torch.ones(2, 1, 16, 16)})
     with pytest.raises(ValueError, match=r"token_type_ids= of shape \(2, 16\).*does not know how to split"):
         cp._cut(model, (ids,), {"token_type_ids": torch.zeros(2, 16)})
+    with pytest.raises(ValueError, match=r"one per token, \(batch, sequence\) = \(2, 16\).*shape \(2,\)"):
+        cp._cut(model, (ids,), {"labels": torch.zeros(2, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"inputs_embeds is not supported"):
         cp._cut(model, (), {"inputs_embeds": torch.zeros(2, 16, 32)})
 

@@ -39,6 +39,7 @@ transformers attention other than ``sdpa``, a 4-D mask of the caller's own.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -212,7 +213,7 @@ class ContextParallel:
         outside = self._modes.pop()
         outside.__exit__(None, None, None)
         current = self.current
-        if current is not None and current.attended == 0:
+        if current is not None and current.attended == 0 and sys.exc_info()[1] is None:
             raise RuntimeError(
                 "cp > 1: the model's blocks ran without calling torch's scaled_dot_product_attention, so par3d could "
                 "not give them the whole sequence's keys. A transformers model must use attn_implementation='sdpa'; "
@@ -242,16 +243,26 @@ class ContextParallel:
             kwargs["input_ids"] = local
         self._pass(kwargs, "position_ids", given[..., positions] if given is not None else positions[None])
         labels = kwargs.get("labels")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch, length)):
+            raise ValueError(
+                f"cp > 1 shifts a causal LM's labels, one per token, (batch, sequence) = {(batch, length)}, before "
+                f"cutting them; got labels of shape {tuple(getattr(labels, 'shape', ()))}. Pass per-token labels, or "
+                "compute the loss from the outputs through the module's declared pipeline_loss."
+            )
         if labels is not None:
             shifted = torch.full_like(labels, self.ignore_index)
             shifted[:, :-1] = labels[:, 1:]
             kwargs["labels"] = shifted[:, positions]
             kwargs["shift_labels"] = shifted[:, positions]
         self._refuse_other_sequences(kwargs, batch, length)
+        self._enter_trunk()
+        return tuple(args), kwargs
+
+    def _enter_trunk(self) -> None:
+        """The trunk's forward begins: attention outside its blocks is refused until it ends (:meth:`_trunk_done`)."""
         outside = _OutsideBlocks(self)
         outside.__enter__()
         self._modes.append(outside)
-        return tuple(args), kwargs
 
     def slice_rows(self, batch: int, length: int, device: torch.device, mask: torch.Tensor | None,
                    given: torch.Tensor | None, kwargs: dict[str, Any]) -> SequenceSlice:  # fmt: skip

@@ -13,8 +13,9 @@ rows. So the rows are cut in two places:
   :class:`~lightning_par3d.parallel.context_parallel.SequenceSlice` from them, and passes the stage this rank's
   ``position_ids`` only (and no ``attention_mask``: its blocks' attention masks by the slice).
 
-Activation checkpointing is refused with ``pp × cp`` (:mod:`lightning_par3d.config.validate`): a schedule
-recomputes a block in the backward of a microbatch after the forwards of later ones, whose slices differ.
+Activation checkpointing composes: a schedule recomputes a block in the backward of a microbatch after the forwards
+of later ones, and the block finds its own microbatch's slice again by its input
+(:meth:`~lightning_par3d.parallel.context_parallel.ContextParallel.block`).
 """
 
 from __future__ import annotations
@@ -24,23 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.parallel.context_parallel import _MARK, ContextParallel, _AttendingBlock, _OutsideBlocks
-from lightning_par3d.utils.model_changes import set_attribute, swap_class
+from lightning_par3d.parallel.context_parallel import ContextParallel, check_model
 
 
 class StageContextParallel(ContextParallel):
     """Context parallelism on one pipeline stage module: its pre-hook slices each microbatch's rows (see the module
     docstring); its blocks' attention is :class:`~lightning_par3d.parallel.context_parallel.ContextParallel`'s."""
 
-    def install(self) -> None:
-        self._handles.append(self.trunk.register_forward_pre_hook(self._slice_stage, with_kwargs=True))
-        self._handles.append(self.trunk.register_forward_hook(self._trunk_done, always_call=True))
-        for block in self.blocks:
-            swap_class(block, _AttendingBlock, "ContextParallel")
-            set_attribute(block, _MARK, self)
-        setattr(self.trunk, _MARK, self)
-
-    def _slice_stage(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def _cut(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         kwargs = dict(kwargs)
         given = kwargs.get("position_ids")
         if not isinstance(given, torch.Tensor) or given.dim() != 2:
@@ -52,9 +44,7 @@ class StageContextParallel(ContextParallel):
         batch, length = given.shape
         self.current = self.slice_rows(batch, length, given.device, mask, given, kwargs)
         self._pass(kwargs, "position_ids", given[..., self.current.positions])
-        outside = _OutsideBlocks(self)
-        outside.__enter__()
-        self._modes.append(outside)
+        self._enter_trunk()
         return args, kwargs
 
 
@@ -62,8 +52,6 @@ def apply_stage_context_parallel(stage: nn.Module, blocks: list[nn.Module], grou
                                  ignore_index: int) -> StageContextParallel:  # fmt: skip
     """Installs context parallelism on a pipeline stage module (built, before activation checkpointing and FSDP2);
     ``blocks``: the stage's own blocks."""
-    from lightning_par3d.parallel.context_parallel import check_model
-
     check_model(stage)
     context = StageContextParallel(stage, blocks, group, cp_rank, cp, ignore_index)
     context.install()
