@@ -109,8 +109,7 @@ class Par3DEngine:
         self._names_before: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._steps = 0
         self._tokens: tokens.TokenMean | None = None
-        self._context: ContextParallel | None = None
-        """Under cp > 1: the context parallelism installed on the model (its rows cut, its attention gathered)."""
+        self._context: ContextParallel | None = None  # cp > 1: the model's rows cut and attention gathered
         self.saves = saving.ModelSaves(self.placement, self._saved_module)
         """The checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`): ``save``, ``load``, … are its."""
 
@@ -168,8 +167,8 @@ class Par3DEngine:
                 install_loss(module, record.spec.loss, self.run_pipeline)
         if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
             self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
-        if self.layout.cp > 1:  # the declared loss's targets cut to this rank's positions, before the token mean
-            self._context = cut_declared_loss(module, self.token_mean)
+        # cp > 1: the declared loss's targets cut to this rank's positions, outside the token mean's share
+        self._context = cut_declared_loss(module, self.token_mean) if self.layout.cp > 1 else None
         if self.layout.pp > 1:
             router_loss.refuse_under_pipelining(module)
         else:
@@ -266,8 +265,7 @@ class Par3DEngine:
                 return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=True)
         if self.token_mean is not None:
             loss_fn = self.token_mean.wrap(loss_fn)
-        if self._context is not None:
-            loss_fn = self._context.cut_loss(loss_fn)
+        loss_fn = self._context.cut_loss(loss_fn) if self._context is not None else loss_fn
         return steps.plain_train_step(model, inputs, targets, loss_fn, backward)
 
     def eval_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -280,9 +278,7 @@ class Par3DEngine:
 
     def forward_only(self, pending: PendingPipelineOutput) -> Any:
         """Under pp: the trunk's outputs for one call, forward only, broadcast to every pipeline rank."""
-        runner = self._require_pipeline()
-        if self._context is not None:
-            pending, _ = cut_call(pending, None, self._context)
+        runner, pending = self._require_pipeline(), _this_ranks(pending, self._context)
         with torch.no_grad():
             return runner.share_outputs(runner.predict(pending, self.device), self.device)
 
@@ -291,10 +287,7 @@ class Par3DEngine:
         with torch.no_grad():
             if self.layout.pp == 1:
                 return steps.call(model, inputs)
-            pending = steps.pending(inputs)
-            if self._context is not None:
-                pending, _ = cut_call(pending, None, self._context)
-            return self._require_pipeline().predict(pending, self.device)
+            return self._require_pipeline().predict(_this_ranks(steps.pending(inputs), self._context), self.device)
 
     def _require_pipeline(self) -> PipelineRunner:
         runner = self.pipeline
@@ -370,3 +363,8 @@ def _describe_mean(token_mean: tokens.TokenMean | None) -> str:
     if token_mean.source == tokens.NONE:
         return "the global batch's token mean in train_step, else each batch's own mean"
     return "the global batch's token mean"
+
+
+def _this_ranks(pending: PendingPipelineOutput, context: ContextParallel | None) -> PendingPipelineOutput:
+    """A pipelined call as this rank's stages take it: under cp, its token ids at this rank's positions."""
+    return pending if context is None else cut_call(pending, None, context)[0]
