@@ -4,9 +4,10 @@ machine cannot hold, and ``PAR3D_REQUIRE_GPUS=N`` fails a session that sees fewe
 * 1 GPU: par3d on one CUDA device (every size 1: the CUDA placement, an NCCL group of one, checkpointing, DCP),
   bf16-mixed, a save and resume, MemoryStats on the CUDA allocator, and a tiny Qwen3-MoE (its experts' CUDA
   kernels, eager and compiled); the machine most users try first;
-* 2 GPUs: FSDP2, tensor parallelism, ZeRO-1/2, the pipeline (send/recv), bf16-mixed, fp16-mixed with its scaler,
-  bf16 gradient compression, a save and resume, MemoryStats on the CUDA allocator, and a failing rank;
-* 4 GPUs: HSDP, dp_shard × tp, pp × tp;
+* 2 GPUs: FSDP2, tensor parallelism, ZeRO-1/2, the pipeline (send/recv), context parallelism (NCCL's all-gather
+  of the keys and values, CUDA's attention with the mask), bf16-mixed, fp16-mixed with its scaler, bf16 gradient
+  compression, a save and resume, MemoryStats on the CUDA allocator, and a failing rank;
+* 4 GPUs: HSDP, dp_shard × tp, pp × tp, cp × dp_shard;
 * 8 GPUs: the demo's 3D layout, HSDP × tp, and the Accelerate example through ``accelerate launch`` with
   ``conf/accelerate/gpu8.yaml``.
 
@@ -147,8 +148,8 @@ def test_moe_bf16_mixed_on_one_gpu():
 @pytest.mark.gpu(2)
 @pytest.mark.parametrize(
     "strategy",
-    [dict(dp_shard=2), dict(tp=2), dict(zero_stage=1), dict(zero_stage=2), dict(pp=2)],
-    ids=["dp_shard=2", "tp=2", "zero1", "zero2", "pp=2"],
+    [dict(dp_shard=2), dict(tp=2), dict(zero_stage=1), dict(zero_stage=2), dict(pp=2), dict(cp=2)],
+    ids=["dp_shard=2", "tp=2", "zero1", "zero2", "pp=2", "cp=2"],
 )
 def test_parity_on_two_gpus(strategy):
     _parity(2, **strategy)
@@ -213,8 +214,8 @@ def test_a_failing_rank_ends_the_job_over_nccl(tmp_path):
 @pytest.mark.gpu(4)
 @pytest.mark.parametrize(
     "strategy",
-    [dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2), dict(pp=2, tp=2)],
-    ids=["hsdp=2x2", "dp_shard=2xtp=2", "pp=2xtp=2"],
+    [dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2), dict(pp=2, tp=2), dict(cp=2, dp_shard=2)],
+    ids=["hsdp=2x2", "dp_shard=2xtp=2", "pp=2xtp=2", "cp=2xdp_shard=2"],
 )
 def test_parity_on_four_gpus(strategy):
     _parity(4, **strategy)
