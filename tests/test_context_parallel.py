@@ -65,8 +65,8 @@ def test_compiled_blocks_gather_the_whole_rows_keys(pool2):
     from tests.compile_runs import run_compiled
 
     strategy = dict(cp=2, compile=True, compile_options={"backend": "aot_eager"})
-    ranks = pool2.run(run_compiled, strategy=strategy, devices=2, max_steps=4)
-    assert_parity(ranks[0], gpt_reference(max_steps=4))
+    ranks = pool2.run(run_compiled, strategy=strategy, devices=2)
+    assert_parity(ranks[0], gpt_reference())
     for rank in ranks:
         assert rank["graphs"][0] > 0 and rank["graphs"][-1] == rank["graphs"][0], rank["graphs"]
 
@@ -88,9 +88,9 @@ def test_llama_without_a_kv_cache_gathers_the_same_shapes_on_every_rank(pool2):
     """Without a KV cache (``use_cache=False``, as ``compile=True`` sets it) transformers reads the positions of a
     rank's slice for packed documents: rank 0's two chunks look packed and get a mask (and keys and values repeated
     for the query heads), rank 1's contiguous ones do not. Each rank's keys are gathered once per key/value head."""
-    model = dict(config_overrides={"use_cache": False})
+    model = dict(config_overrides={"use_cache": False})  # one process computes the same without a cache here
     got = pool2.run(hf_runs.run_par3d, strategy=dict(cp=2), devices=2, model=model)[0]
-    assert_parity(got, hf_runs.run_reference(model=model))
+    assert_parity(got, llama_reference())
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,6 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
         pytest.param("left", False, 1, dict(cp=2, dp_shard=2), id="left-padded-cp=2xdp_shard=2"),
         pytest.param("right", True, 2, dict(cp=2, dp_shard=2), id="right-padded-own-loss-cp=2xdp_shard=2-accumulate2"),
         pytest.param("packed", False, 1, dict(cp=2, dp_shard=2), id="packed-documents-cp=2xdp_shard=2"),
-        pytest.param("packed", True, 1, dict(cp=4), id="packed-own-loss-cp=4"),
         pytest.param("left", False, 1, dict(cp=2, pp=2, microbatches=4), id="left-padded-pp=2xcp=2"),
         pytest.param(
             "left",
@@ -128,7 +127,7 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
             dict(cp=2, pp=2, microbatches=4, activation_checkpointing="full"),
             id="left-padded-pp=2xcp=2-checkpointed",
         ),
-        pytest.param("packed", False, 2, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2-accumulate2"),
+        pytest.param("packed", False, 1, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2"),
     ],
 )
 def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):

@@ -76,7 +76,6 @@ LAYOUTS = [
     pytest.param(dict(pp=2, tp=2, sequence_parallel=True), 4, id="pp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, tp=2, activation_checkpointing="op"), 4, id="pp2xtp2-op-ac"),
     pytest.param(dict(cp=2, dp_shard=2), 4, id="cp2xdp2"),
-    pytest.param(dict(cp=2, tp=2, sequence_parallel=True), 4, id="cp2xtp2-sequence-parallel"),
     pytest.param(dict(pp=2, cp=2, microbatches=4), 4, id="pp2xcp2"),
     pytest.param(dict(pp=2, pipeline_schedule="gpipe", microbatches=4), 2, id="pp2-gpipe"),
     pytest.param(
