@@ -30,10 +30,6 @@ EXPERT_DIM_NAMES = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
 ``dp_shard`` ranks exchange tokens). A second ``DeviceMesh`` over the same ranks, so that FSDP2 can shard the experts
 over ``expert_shard`` while they are split over ``ep`` (both sub-meshes of one root, as FSDP2 needs)."""
 
-CONTEXT_DIM_NAMES = ("pp", "dp_replicate", "batch_shard", "cp", "tp")
-"""The ranks under ``cp > 1``: the mesh's ``dp_shard`` dimension split into the data-parallel ``batch_shard``
-(the configured ``dp_shard``) and ``cp``, inner (adjacent ranks split the same rows)."""
-
 GROUP_NAMES = (*DIM_NAMES, "dp", "cp")
 """Groups that :meth:`Par3DMesh.group_ranks` knows: each dimension, ``dp`` = ``dp_replicate × dp_shard`` (with the
 context-parallel ranks: every rank whose gradients are summed), and ``cp``."""
