@@ -32,8 +32,13 @@ packed document. It works on every device torch's attention does (CPU over gloo 
 ``scaled_dot_product_attention`` call outside a block, and a block that attends otherwise (transformers' ``eager``
 attention), are refused rather than computed on a slice.
 
-Masks par3d cannot honour are refused by name before training (:func:`check_model`): sliding-window layers, a
-transformers attention other than ``sdpa``, a 4-D mask of the caller's own.
+Keys and values a transformers model repeated for its query heads (``repeat_kv``) are gathered once per key/value
+head and attended with ``enable_gqa``: the model repeats them on some ranks and not others (its own mask code reads
+a rank's two chunks as packed), and every rank must gather the same shapes.
+
+Masks par3d cannot honour are refused by name: sliding-window layers and a transformers attention other than
+``sdpa`` when the model is parallelized (:func:`check_model`), a mask of another shape than ``(batch, sequence)``
+at its first call.
 """
 
 from __future__ import annotations
