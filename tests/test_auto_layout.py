@@ -66,6 +66,33 @@ def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8, tmp_path):
     assert_parity(got, run_reference(global_batch=16))
 
 
+def test_auto_keeps_a_pinned_cp_and_trains_on_the_single_process_trajectory(pool4, tmp_path):
+    """``cp=2`` stays (each row split over 2 ranks); the other sizes, the engine and the schedule are searched; the
+    global batch is batch_size 4 × the 2 data-parallel ranks cp=2 leaves of 4; 2 layouts measured, both at cp=2, in
+    the same processes."""
+    got, layout = _trained(pool4, 4, rank_batch=4, root=tmp_path, cp=2, measure=2, plan_machine="h100-sxm-8")
+    assert layout.cp == 2 and layout.world_size == 4
+    assert "cp=2" in pool4.log_tail(0, chars=20000)
+    assert_parity(got, run_reference(global_batch=8))
+
+
+def test_auto_chooses_cp_where_rows_are_long_and_few_and_trains_on_the_single_process_trajectory(pool4, tmp_path):
+    """2 rows of 256 tokens a step on 4 ranks: data parallelism stops at 2, the fastest layout without cp splits the
+    model and holds more activations than state, so the plan searches cp and predicts pp=2 × cp=2 fastest (on the
+    profile; measure=0 trains the prediction). As launched, it trains to one process's losses and parameters."""
+    long_rows = dict(model=dict(block_size=256), data=dict(block_size=256, max_bytes=256 * 20 + 2))
+    strategy = dict(layout="auto", global_batch=2, measure=0, plan_machine="h100-sxm-8")
+    results = pool4.run(run_par3d, strategy=strategy, devices=4, rank_batch=1, default_root_dir=str(tmp_path),
+                        **long_rows)  # fmt: skip
+    layout = results[0]["layout"]
+    assert all(result["layout"] == layout for result in results)
+    assert (layout.pp, layout.cp, layout.dp) == (2, 2, 1), layout
+    log = pool4.log_tail(0, chars=20000)
+    assert "(cp = 2, 4 searched too: the fastest layout without it, pp2·rep1·shard1·tp2" in log, log
+    assert "To pin this layout: Par3DStrategy(pp=2, dp_replicate=1, dp_shard=1, tp=1, zero_stage=3, cp=2" in log
+    assert_parity(results[0], run_reference(global_batch=2, **long_rows))
+
+
 def test_auto_accumulates_where_the_per_rank_batch_does_not_fit(pool4, tmp_path):
     """global_batch=16 with dp=4 pinned (pure replication) and 1 MiB a device: batch_size 4 a rank does not fit,
     so the plan takes 2 a rank × 2 accumulated batches; the loader (batch_size 4) is re-made at 2, Lightning

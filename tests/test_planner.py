@@ -53,8 +53,8 @@ def _estimate(row: object, world: int, module: object = None) -> object:
 
 def _key(config: Par3DConfig) -> tuple:
     return (
-        config.pp, config.dp_replicate, config.dp_shard, config.tp, config.zero_stage, config.pipeline_schedule,
-        config.virtual_stages, config.microbatches, config.activation_checkpointing,
+        config.pp, config.dp_replicate, config.dp_shard, config.cp, config.tp, config.zero_stage,
+        config.pipeline_schedule, config.virtual_stages, config.microbatches, config.activation_checkpointing,
     )  # fmt: skip
 
 
@@ -63,11 +63,12 @@ def _key(config: Par3DConfig) -> tuple:
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_every_layout_resolve_layout_accepts_is_listed(tables, world):
-    """Each configuration of the search space that resolve_layout accepts is a row: fitting, or with a reason."""
+    """Each configuration of the search space that resolve_layout accepts is a row: fitting, or with a reason (cp = 1
+    alone here, where the plan does not search cp: see the tests of context parallelism below)."""
     table = tables[world]
     listed = {_key(row.config) for row in table}
     accepted = 0
-    for config in candidates(world, SearchSpace(), {}, Par3DConfig()):
+    for config in candidates(world, SearchSpace(context_parallel=(1,)), {}, Par3DConfig()):
         try:
             layout = resolve_layout(config, world)
         except ValueError:
@@ -189,7 +190,7 @@ def test_rejected_layouts_carry_their_reason(tables):
     assert any("zero_stage=2" in r for r in reasons.values())  # resolve_layout's own message
     across = _plan(8, devices_per_node=2)
     assert all("across nodes" in row.reason for row in across if row.layout and row.layout.tp > 2)
-    with pytest.raises(ValueError, match=r"can run:\n  - 36× tp=4 puts tensor-parallel groups across nodes"):
+    with pytest.raises(ValueError, match=r"can run:\n  - \d+× tp=4 puts tensor-parallel groups across nodes"):
         _plan(8, fixed={"tp": 4}, devices_per_node=2)
 
 
@@ -222,6 +223,73 @@ def test_fixed_sizes_constrain_the_search():
     assert all(row.layout.zero == 3 for row in table.fitting if row.layout.dp_shard > 1)
     pipelined = _plan(4, fixed={"pp": 2, "pipeline_schedule": "gpipe", "microbatches": 4})
     assert {(r.config.pp, r.config.pipeline_schedule, r.config.microbatches) for r in pipelined} == {(2, "gpipe", 4)}
+
+
+LONG = {**MODEL, "block_size": 1024}
+"""The example GPT at a sequence 32× the reference runs': activations dominate its memory."""
+
+
+def _estimated(row: object, world: int, model: dict, seq: int, batch: int) -> object:
+    with forget_meshes():
+        return estimate_memory(GPTModule(**model), row.config, world, (batch // row.layout.dp, seq))
+
+
+def test_context_parallel_is_searched_where_activations_dominate_and_chosen_where_dp_cannot_grow():
+    """A global batch of 2 rows of 1024 tokens on 4 ranks: data parallelism stops at 2, so the other 2 ranks go to
+    tp, pp or cp. The plan without cp holds more activations than state, so cp = 2 and 4 are searched too; each cp
+    row's memory is the estimator's (which runs cp's own slice and gathers), and the fastest layout splits the rows.
+    """
+    table = plan(GPTModule(**LONG), 4, 4, "12MiB", global_batch=2, seq_len=1024, machine="h100-sxm-8")
+    note = next(n for n in table.notes if "cp" in n)
+    assert note.startswith("(cp = 2, 4 searched too: the fastest layout without it, pp2") and "dominate" in note
+    cp_rows = [row for row in table.fitting if row.layout.cp > 1]
+    assert {row.layout.cp for row in cp_rows} == {2, 4} and table.best.layout.cp == 2, table.best.describe()
+    assert "cp" in table.best.describe() and table.best.strategy_arguments()["cp"] == 2
+    for row in _sample(table, per_class=1, by_microbatches=False):
+        if row.layout.cp > 1 or row is table.fitting[0]:
+            assert row.memory == _estimated(row, 4, LONG, 1024, 2), row.describe()
+    short = plan(GPTModule(**LONG), 4, 4, "12MiB", global_batch=2, seq_len=1022, machine="h100-sxm-8")
+    assert "(cp > 1 not searched: no degree that divides 4 ranks has a 2·cp that divides seq_len=1022.)" in short.notes
+
+
+def test_context_parallel_is_not_searched_where_model_state_dominates(tables):
+    """The reference GPT at 32 tokens: its fastest layout is plain data parallelism, whose ranks cp would only give
+    the same work and gathers, and the table says so. Pinned, it is searched all the same."""
+    assert any(n.startswith("(cp > 1 not searched: the fastest layout without it, pp1·rep4") for n in tables[4].notes)
+    assert all(row.config.cp == 1 for row in tables[4])
+    pinned = _plan(4, fixed={"cp": 2})
+    assert {row.config.cp for row in pinned} == {2} and pinned.fitting
+    assert all(row.layout.zero == 3 for row in pinned.fitting)
+    with pytest.raises(ValueError, match=r"cp=4 cuts each row into 2·cp = 8 chunks, which seq_len=36 does not divide"):
+        _plan(4, fixed={"cp": 4}, seq_len=36)
+
+
+def test_context_refusal_names_what_the_model_lacks():
+    from torch import nn
+
+    from lightning_par3d.planning.context_search import context_refusal
+
+    assert context_refusal(GPTModule(**MODEL), Par3DConfig()) is None
+    assert "position_ids" in context_refusal(lambda: nn.Linear(4, 4), Par3DConfig())
+    assert "token mean" in context_refusal(GPTModule(**MODEL), Par3DConfig(loss_mean="microbatches"))
+
+
+def test_context_parallel_costs_its_gathers_and_splits_the_compute():
+    """cp=2 halves each rank's FLOPs; each block all-gathers its keys and values (two collectives of half the bytes)
+    in forward, reduce-scatters their gradients in backward, and gathers again where checkpointing recomputes it."""
+    link = Link(1e-5, 1e9)
+    machine = Machine("uniform", {"fp32": 1e9}, 0.0, 0.0, 1e30, link, link, async_kernels=False)
+    work = StageWork(0, 1e6, 2e6, 0, 0, (1e5, 1e5), (0, 0), (0, 0), (), 0.0, 4, block_kv_bytes=(4e3, 4e3))
+    params = StageParams(0, (), (0,), 0)
+    plain = predict_step(Par3DConfig(), resolve_layout(Par3DConfig(dp_shard=1), 1), [work], [params], 2, machine, 8)
+    split = resolve_layout(Par3DConfig(cp=2, dp_shard=1), 2)
+    step = predict_step(Par3DConfig(), split, [work], [params], 2, machine, 8)
+    assert step.compute == pytest.approx(plain.compute / 2)
+    gather, scatter = all_gather(4e3, 2, link), reduce_scatter(4e3, 2, link)
+    assert step.tp_comm == pytest.approx(2 * 2 * (gather + scatter))
+    full = dataclasses.replace(Par3DConfig(), activation_checkpointing="full")
+    checkpointed = predict_step(full, split, [work], [params], 2, machine, 8)
+    assert checkpointed.tp_comm == pytest.approx(step.tp_comm + 2 * 2 * gather)
 
 
 def test_choose_layout_is_the_best_row(tables):

@@ -257,8 +257,6 @@ def _check_context_static(config: Par3DConfig, errors: _Errors) -> None:
         return
     cp = config.cp
     refusals = {
-        "layout='auto'": (config.layout == "auto", "the planner does not choose context-parallel layouts yet: give "
-                          "the sizes yourself, or leave cp=1 for the planner"),
         f"ep={config.ep}": (config.ep != 1, "experts are not split over context-parallel ranks yet: use ep=1"),
         f"loss_mean={config.loss_mean!r}": (config.loss_mean != "tokens", "each rank holds a slice of every row, and "
                                             "only the token mean weighs the slices as one process does: use "

@@ -1,11 +1,11 @@
 """Which process groups of a layout hold ranks of more than one node.
 
-Launchers number ranks node by node (torchrun, SLURM and Lightning's launcher alike: node ``n`` holds the ranks
-``n·d … n·d + d − 1`` for ``d`` devices per node), and par3d's mesh is row-major with ``tp`` innermost, then
-``dp_shard``, ``dp_replicate`` and ``pp``. So ``tp`` stays inside a node exactly when it divides the devices per
-node; HSDP keeps its shards inside a node when ``dp_shard × tp`` does, and its replicas go across; pipeline stages
-go across nodes first. The planner's cost model prices a group's collectives on the link this module says it uses,
-and the engine warns at setup when ``tp`` crosses nodes.
+Launchers number ranks node by node (torchrun, SLURM and Lightning's launcher alike: node ``n`` holds the ranks ``n·d …
+n·d + d − 1`` for ``d`` devices per node), and par3d's mesh is row-major with ``tp`` innermost, then ``dp_shard``,
+``dp_replicate`` and ``pp``. So ``tp`` stays inside a node exactly when it divides the devices per node; ``cp`` (inside
+``dp_shard``) stays inside a node when ``cp × tp`` divides it; HSDP keeps its shards inside a node when ``dp_shard × cp
+× tp`` does, and its replicas go across; pipeline stages go across nodes first. The planner's cost model prices a
+group's collectives on the link this module says it uses, and the engine warns at setup when ``tp`` crosses nodes.
 """
 
 from __future__ import annotations
@@ -16,15 +16,19 @@ import os
 from lightning_par3d.config import Layout
 
 
+def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int, cp: int = 1) -> bool:
+    """Whether any ``group`` (a mesh dimension, ``dp`` or ``cp``) of the mesh ``shape`` (pp, dp_replicate,
+    dp_shard × cp, tp) holds ranks of two nodes of ``devices_per_node`` ranks each."""
+    pp, dp_replicate, shard_ranks, tp = shape
+    return _spans(pp, dp_replicate, shard_ranks // cp, cp, tp, group, devices_per_node)
+
+
 @functools.cache
-def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int) -> bool:
-    """Whether any ``group`` (a mesh dimension, or ``dp``) of the mesh ``shape`` (pp, dp_replicate, dp_shard, tp)
-    holds ranks of two nodes of ``devices_per_node`` ranks each."""
+def _spans(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, group: str, devices_per_node: int) -> bool:
     from lightning_par3d.distributed.mesh import Par3DMesh
 
-    pp, dp_replicate, dp_shard, tp = shape
-    mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))
-    world = pp * dp_replicate * dp_shard * tp
+    mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp))
+    world = pp * dp_replicate * dp_shard * cp * tp
     if world <= devices_per_node:
         return False
     return any(len({r // devices_per_node for r in mesh.group_ranks(group, rank)}) > 1 for rank in range(world))

@@ -172,9 +172,7 @@ class ContextParallel:
         self._rows_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Each block input's slice, for its recomputation (held while the input lives)."""
         self._handles: list[Any] = []
-        config = getattr(trunk, "config", None)
-        heads, kv_heads = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", None)
-        self.kv_ratio = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads else 1
+        self.kv_ratio = kv_ratio_of(trunk)
         """Query heads per key/value head of a transformers model (grouped-query attention), else 1."""
         takes = inspect.signature(trunk.forward).parameters
         self._kwargs_ok = any(p.kind is p.VAR_KEYWORD for p in takes.values())
@@ -330,13 +328,10 @@ class ContextParallel:
         if current is None:
             raise RuntimeError("cp > 1: attention ran before the model's trunk cut its rows.")
         current.attended += 1
-        if self.kv_ratio > 1 and key.shape[-3] == query.shape[-3]:
-            # keys and values a transformers model repeated for its query heads (repeat_kv: each key/value head
-            # n times in a row), which it does on some ranks and not others (its mask of a slice may differ): each
-            # head gathered once, attended with enable_gqa, so every rank gathers the same shapes
-            key, value = (
-                t.unflatten(-3, (t.shape[-3] // self.kv_ratio, self.kv_ratio))[..., 0, :, :] for t in (key, value)
-            )
+        # keys and values a transformers model repeated for its query heads (repeat_kv: each key/value head n times
+        # in a row), which it does on some ranks and not others (its mask of a slice may differ): each head gathered
+        # once, attended with enable_gqa, so every rank gathers the same shapes
+        key, value = unrepeated(query, key, value, self.kv_ratio)
         enable_gqa = enable_gqa or key.shape[-3] != query.shape[-3]
         seq = key.dim() - 2
         keys = all_gather_with_autograd(key.contiguous(), seq, self.group)
@@ -376,6 +371,43 @@ class ContextParallel:
             pad = torch.full_like(targets[..., :1], self.ignore_index)
             targets = torch.cat([targets, pad], dim=-1)
         return targets[..., positions_of(self.cp_rank, self.cp, targets.shape[-1], targets.device)]
+
+
+def kv_ratio_of(trunk: nn.Module) -> int:
+    """Query heads per key/value head of a transformers model (grouped-query attention), else 1."""
+    config = getattr(trunk, "config", None)
+    heads, kv_heads = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", None)
+    return heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads else 1
+
+
+def unrepeated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_ratio: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``key`` and ``value`` with each key/value head once, where the model repeated them ``kv_ratio`` times for its
+    query heads (``repeat_kv``); as given otherwise. What the cp ranks gather."""
+    if kv_ratio == 1 or key.shape[-3] != query.shape[-3]:
+        return key, value
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-3, (t.shape[-3] // kv_ratio, kv_ratio))[..., 0, :, :]
+
+    return once(key), once(value)
+
+
+def context_problem(module: nn.Module) -> str | None:
+    """Why cp > 1 cannot split ``module`` (a built model: its trunk, attention and positions), in the words of the
+    refusal a run would raise; None where it can. The planner asks before it searches context-parallel layouts."""
+    try:
+        trunk = find_trunk(module)
+        check_model(trunk)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    takes = inspect.signature(trunk.forward).parameters
+    if "position_ids" not in takes and not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        return (
+            f"cp > 1 gives {type(trunk).__name__} the global position of each token it holds through a position_ids= "
+            "argument, which its forward does not take."
+        )
+    return None
 
 
 def find_trunk(module: nn.Module) -> nn.Module:

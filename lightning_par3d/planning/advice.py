@@ -151,14 +151,14 @@ def _data_parallel_changes(layout: Layout) -> list[Change]:
         return []
     changes = []
     if layout.dp_shard > 1:
-        for stage in (1, 2, 3):
+        for stage in (1, 2, 3) if layout.cp == 1 else ():  # under cp, FSDP2 (stage 3) alone
             if stage != layout.zero and not (stage == 2 and layout.pp > 1):
                 changes.append(Change("dp_comm", f"zero_stage={stage}", dict(zero_stage=stage)))
         if layout.dp_replicate == 1 and layout.dp_shard % 2 == 0 and layout.dp_shard >= 4 and layout.zero == 3:
             # HSDP shards over dp_shard // 2 ranks; with dp_shard=2 nothing would be left to shard over
             replicas = dict(dp_replicate=2, dp_shard=layout.dp_shard // 2)
             changes.append(Change("dp_comm", "dp_replicate=2 (HSDP)", replicas))
-    elif layout.tp == 1 and layout.pp == 1:
+    elif layout.tp == 1 and layout.pp == 1 and layout.cp == 1:
         changes.append(Change("dp_comm", "dp_shard with zero_stage=1", dict(dp_shard=layout.dp, dp_replicate=1,
                                                                            zero_stage=1)))  # fmt: skip
     return changes

@@ -75,7 +75,7 @@ def measure_count(config: Par3DConfig) -> int:
 
 def global_batch_of(config: Par3DConfig, rank_batch: int, world_size: int, accumulate: int = 1) -> int:
     """The global batch ``layout="auto"`` keeps: ``config.global_batch``, else the loader's ``rank_batch`` × the
-    data-parallel size the configuration names without ``"auto"`` (``dp``, else the world ÷ the pinned tp × pp) ×
+    data-parallel size the configuration names without ``"auto"`` (``dp``, else the world ÷ the pinned tp × pp × cp) ×
     ``accumulate`` (the Trainer's ``accumulate_grad_batches``)."""
     if config.global_batch is not None:
         return int(config.global_batch)
@@ -87,7 +87,8 @@ def default_dp(config: Par3DConfig, world_size: int) -> int:
     if config.dp is not None:
         return int(config.dp)
     pinned = fixed_settings(config)
-    return max(world_size // (int(pinned.get("tp", 1)) * int(pinned.get("pp", 1))), 1)
+    model_ranks = int(pinned.get("tp", 1)) * int(pinned.get("pp", 1)) * int(pinned.get("cp", 1))
+    return max(world_size // model_ranks, 1)
 
 
 def fixed_settings(config: Par3DConfig) -> dict[str, Any]:
@@ -355,4 +356,5 @@ def describe_choice(table: Any) -> str:
     )
     rows = table.to_markdown(top=SHOWN).split("\n\nRejected layouts")[0]
     pinned = "Par3DStrategy(" + ", ".join(f"{k}={v!r}" for k, v in best.strategy_arguments().items()) + ")"
-    return f"{head}\n{rows}\nTo pin this layout: {pinned}"
+    context = "".join(f"\n{note}" for note in table.notes if note.startswith("(cp"))  # searched or not, and why
+    return f"{head}\n{rows}{context}\nTo pin this layout: {pinned}"

@@ -4,7 +4,7 @@ The estimator's cost is its fake build and forward of every stage (about a secon
 compares hundreds of layouts. Its result is made of three parts, and layouts share the expensive one:
 
 * **activations per microbatch of each stage, and the recompute peak of each rank**: they depend on the stages
-  (``pp``, stages per rank and their placement), ``tp``, activation checkpointing, the microbatch's size, the
+  (``pp``, stages per rank and their placement), ``tp``, ``cp``, activation checkpointing, the microbatch's size, the
   precision, and, under ``-mixed`` precision only, on whether FSDP2 serves the layout (its mixed-precision policy
   gathers parameters in bf16, so autocast makes no copies of them); not on how the data-parallel ranks are split or
   on the ZeRO stage. :class:`MemoryModel` runs the estimator for the first layout of each such class;
@@ -79,8 +79,8 @@ class MemoryModel:
     def _class_of(
         self, config: Par3DConfig, layout: Layout, rank_batch: int, checkpoints_blocks: bool
     ) -> tuple[Any, ...]:
-        """Layouts of one class have the same stages, tp, checkpointing, microbatch and precision policy, hence the
-        same activations per stage. Where checkpointing recomputes, the recompute peak is per rank, so the stages'
+        """Layouts of one class have the same stages, tp, cp, checkpointing, microbatch and precision policy, hence
+        the same activations per stage. Where checkpointing recomputes, the recompute peak is per rank, so the stages'
         placement on the ranks (looped or V) counts too."""
         from lightning_par3d.parallel.precision import fsdp_mixed_precision
 
@@ -93,6 +93,7 @@ class MemoryModel:
             layout.stages_per_rank,
             recomputes and layout.pp > 1 and layout.schedule in V_SCHEDULES,
             layout.tp,
+            layout.cp,
             ac,
             config.ac_every if ac == "selective" else None,
             micro,
@@ -145,7 +146,7 @@ class MemoryModel:
             state = model_state_formula(
                 [shape for s in mine for shape in params[s].shapes],
                 stage=layout.zero,
-                n=layout.dp_shard,
+                n=layout.shard_ranks,
                 param_bytes=param_b,
                 grad_bytes=grad_b,
                 optimizer=OPTIMIZER_STATE_LAYOUTS[self.optimizer],

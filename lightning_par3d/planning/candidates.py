@@ -1,12 +1,14 @@
 """The layouts a plan considers, and the checks that need neither the model nor its memory.
 
-Every factorization ``world_size = pp × dp_replicate × dp_shard × tp`` is a candidate, and for each: the ZeRO stages
-(over ``dp_shard > 1``; ``dp_shard = 1`` is replication, stage 0), under ``pp > 1`` each pipeline schedule with
+Every factorization ``world_size = pp × dp_replicate × dp_shard × cp × tp`` is a candidate (``cp > 1`` where
+:class:`SearchSpace` tries context parallelism: for a model whose attention it can split, at degrees ``2·cp`` divides
+the sequence by), and for each: the ZeRO stages (over ``dp_shard > 1``; ``dp_shard = 1`` is replication, stage 0;
+under ``cp > 1`` FSDP2 over ``dp_shard × cp``, stage 3, alone), under ``pp > 1`` each pipeline schedule with
 its stages per rank and microbatch counts, and each activation checkpointing mode, as :class:`SearchSpace` lists
 them. ``fixed`` pins any of these to one value (``{"tp": 2}``, ``{"pipeline_schedule": "1f1b"}``) and is checked
 first, with a message that names the value and the fix. :func:`rejection` then says why a candidate cannot run:
 :func:`~lightning_par3d.config.resolve_layout`'s own message, a tensor-parallel group across nodes, a batch that does
-not split.
+not split, a sequence that ``2·cp`` does not divide.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from lightning_par3d.config import AC_MODES, Layout, Par3DConfig, resolve_layout
 from lightning_par3d.config.schedules import LOOP_SCHEDULES, SCHEDULE_NAMES, V_SCHEDULES
 from lightning_par3d.distributed.locality import tp_across_nodes
 
-SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "tp")
+SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FIXED_KEYS = (*SIZE_KEYS, "dp", "zero_stage", "pipeline_schedule", "virtual_stages", "microbatches",
               "activation_checkpointing")  # fmt: skip
 """What ``fixed`` may pin."""
@@ -41,6 +43,12 @@ class SearchSpace:
     """Microbatches tried under ``pp > 1``, as multiples of the pipeline stages (``pp ×`` stages per rank)."""
     activation_checkpointing: tuple[str, ...] = ("none", "full")
     """Activation checkpointing modes tried (of ``"none"``, ``"full"``, ``"selective"``, ``"op"``)."""
+    context_parallel: tuple[int, ...] | None = None
+    """Context-parallel degrees tried (1 included where it is wanted). ``None``: every degree whose ``2·cp`` divides
+    the sequence, for a model whose attention par3d can split over cp ranks (torch's SDPA in repeated blocks, no
+    sliding window), else 1 alone. Activations per rank fall with ``cp`` while the keys and values each block
+    gathers cost communication, so the cost model and the memory check choose: cp wins where the sequence makes
+    activations dominate."""
     prune_checkpointing: bool = True
     """Skip (list as rejected, with the reason) a checkpointing mode for a layout that fits without checkpointing:
     checkpointing only adds recompute there, so it is never the faster choice."""
@@ -55,7 +63,9 @@ class SearchSpace:
             wrong = [v for v in values if v not in allowed]
             if wrong or not values:
                 problems.append(f"{name}={values!r}: choose one or more of {', '.join(map(repr, allowed))}.")
+        degrees = (("context_parallel", self.context_parallel),) if self.context_parallel is not None else ()
         for name, values in (
+            *degrees,
             ("virtual_stages", self.virtual_stages),
             ("microbatch_multiples", self.microbatch_multiples),
         ):
@@ -125,19 +135,29 @@ def candidates(
 
 
 def _sizes(world_size: int, space: SearchSpace, fixed: Mapping[str, Any], options: Any) -> Iterator[dict[str, Any]]:
-    """The mesh sizes and ZeRO stages: every ``pp × tp × dp_replicate × dp_shard = world_size``."""
+    """The mesh sizes and ZeRO stages: every ``pp × tp × cp × dp_replicate × dp_shard = world_size``."""
     for pp in options("pp", divisors(world_size)):
         for tp in options("tp", divisors(world_size // pp)):
-            dp = world_size // (pp * tp)
-            if world_size % (pp * tp) or fixed.get("dp", dp) != dp:
-                continue
-            for dp_replicate in options("dp_replicate", divisors(dp)):
-                dp_shard = dp // dp_replicate
-                if dp % dp_replicate or fixed.get("dp_shard", dp_shard) != dp_shard:
+            for cp in options("cp", divisors(world_size // (pp * tp)) if space.context_parallel is None
+                              else space.context_parallel):  # fmt: skip
+                dp = world_size // (pp * tp * cp)
+                if world_size % (pp * tp * cp) or fixed.get("dp", dp) != dp:
                     continue
-                for zero in options("zero_stage", space.zero_stages if dp_shard > 1 else (0,)):
-                    stage = zero if dp_shard > 1 or zero != 0 else None
-                    yield dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, dp=None, zero_stage=stage)
+                for dp_replicate in options("dp_replicate", divisors(dp)):
+                    dp_shard = dp // dp_replicate
+                    if dp % dp_replicate or fixed.get("dp_shard", dp_shard) != dp_shard:
+                        continue
+                    for stage in _zero_stages(dp_shard, cp, space, options):
+                        yield dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, dp=None,
+                                   zero_stage=stage)  # fmt: skip
+
+
+def _zero_stages(dp_shard: int, cp: int, space: SearchSpace, options: Any) -> list[int | None]:
+    """ZeRO stages over ``dp_shard > 1``; none for replication; FSDP2's alone (``None``: the default) under cp."""
+    if cp > 1:
+        return [None] if 3 in options("zero_stage", (3,)) else []
+    return [zero if dp_shard > 1 or zero != 0 else None
+            for zero in options("zero_stage", space.zero_stages if dp_shard > 1 else (0,))]  # fmt: skip
 
 
 def _pipelines(pp: int, space: SearchSpace, fixed: Mapping[str, Any], options: Any) -> Iterator[dict[str, Any]]:
@@ -159,10 +179,15 @@ def _pipelines(pp: int, space: SearchSpace, fixed: Mapping[str, Any], options: A
 
 
 def rejection(
-    config: Par3DConfig, world_size: int, devices_per_node: int, global_batch: int | None, rank_batch: int | None = None
+    config: Par3DConfig,
+    world_size: int,
+    devices_per_node: int,
+    global_batch: int | None,
+    rank_batch: int | None = None,
+    seq_len: int | None = None,
 ) -> tuple[Layout | None, str | None]:
     """The resolved layout, or why this configuration cannot run (before looking at the model). The batch is
-    ``global_batch`` over every data-parallel rank, or ``rank_batch`` on each."""
+    ``global_batch`` over every data-parallel rank, or ``rank_batch`` on each; ``seq_len`` tokens per row."""
     try:
         layout = resolve_layout(config, world_size)
     except ValueError as error:
@@ -171,6 +196,11 @@ def rejection(
     across = tp_across_nodes(layout, devices_per_node)
     if across is not None:
         return layout, across
+    if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
+        return layout, (
+            f"cp={layout.cp} cuts each row into 2·cp = {2 * layout.cp} chunks, which seq_len={seq_len} does not "
+            f"divide. Use a cp whose 2·cp divides {seq_len}, or pad the rows."
+        )
     if rank_batch is None:
         assert global_batch is not None
         if global_batch % layout.dp:

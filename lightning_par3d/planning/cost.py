@@ -1,9 +1,10 @@
 """The cost model: a layout's predicted step time, split into compute, tensor-parallel communication,
 data-parallel communication and the pipeline bubble.
 
-Notation: ``b`` samples per microbatch (the per-rank batch over ``m`` microbatches; ``m = 1`` without pipelining),
-``t = tp``, ``N = dp_shard``, ``R = dp_replicate``, ``F`` the machine's matmul FLOP/s for the precision, ``o`` its
-time per aten op, and per link ``α`` (latency per ring step) and ``β`` (bytes/s per device, each way).
+Notation: ``b`` samples per microbatch (the per-rank batch over ``m`` microbatches; ``m = 1`` without pipelining), ``t =
+tp``, ``c = cp``, ``N = dp_shard × cp`` (the ranks FSDP2 shards over), ``R = dp_replicate``, ``F`` the machine's matmul
+FLOP/s for the precision, ``o`` its time per aten op, and per link ``α`` (latency per ring step) and ``β`` (bytes/s per
+device, each way).
 
 **Collectives** (ring algorithms over ``n`` ranks; ``S`` bytes is the whole tensor: the reduced tensor, the gathered
 output, the scattered input)::
@@ -20,11 +21,12 @@ ring formulas say.
 A group uses the link *across* nodes when any of its groups holds ranks of two nodes (the mesh is row-major,
 ``tp`` innermost, ``devices_per_node`` ranks per node), else the link within a node.
 
-**Compute**, per stage and microbatch, from the probe (:mod:`lightning_par3d.planning.probe`): with ``φ`` the
-stage's FLOPs per sample and ``k`` its aten ops per microbatch, ``time(φ, k) = φ·b/t / F + k·o`` (on a GPU, where
-the CPU's work per op overlaps the kernels: ``max(φ·b/t / F, k·o)``). Forward and backward each so. Activation
-checkpointing adds, in backward, each checkpointed block's forward (``full``: every block; ``selective``: every
-``ac_every``-th; ``op``: only the block's ops without FLOPs, as op-level checkpointing keeps matmul outputs) and,
+**Compute**, per stage and microbatch, from the probe (:mod:`lightning_par3d.planning.probe`): with ``φ`` the stage's
+FLOPs per sample and ``k`` its aten ops per microbatch, ``time(φ, k) = φ·b/(t·c) / F + k·o`` (on a GPU, where the CPU's
+work per op overlaps the kernels: ``max(φ·b/(t·c) / F, k·o)``). Under context parallelism each rank holds ``1/c`` of
+every row's tokens and attends its queries to all keys, so every FLOP count divides by ``c``. Forward and backward each
+so. Activation checkpointing adds, in backward, each checkpointed block's forward (``full``: every block; ``selective``:
+every ``ac_every``-th; ``op``: only the block's ops without FLOPs, as op-level checkpointing keeps matmul outputs) and,
 for ``full`` and ``selective``, the block's forward tensor-parallel collectives again.
 
 **Tensor parallelism**, per microbatch: for each module of the plan, the collectives its style issues
@@ -36,6 +38,13 @@ what a colwise and a rowwise ``Linear`` cost beyond the same layers plain (timed
 machine, 10× and 18× a DTensor op's ``d``, since the layer's own ops run on DTensors and the wrapping runs autograd
 functions); on a profile, ``DTENSOR_OPS_PER_TP_MODULE`` DTensor ops in each, ``d`` seconds each.
 
+**Context parallelism**, per microbatch: each block all-gathers its attention's keys and values over the ``cp``
+group (two collectives; ``κ`` bytes per sample, the whole sequence's, from the probe, at the run's activation dtype):
+``2 · all_gather(κ·b/2, c)`` in forward, ``2 · reduce_scatter(κ·b/2, c)`` in backward (the gathers' gradients), and
+the gathers again in backward for a block that ``full`` or ``selective`` checkpointing recomputes. They are
+collectives inside the layers, on the critical path as tensor parallelism's are, and share its bucket (``tp_comm``:
+the bottleneck report measures torch's functional collectives there too).
+
 **Issuing a collective** costs its rank ``COLLECTIVE_CPU_OPS`` ops of CPU time (the call, copies into and out of the
 communication buffer, the wait), ``COLLECTIVE_CPU_OPS · o``, which nothing overlaps; every tensor- and data-parallel
 collective pays it, in its own bucket (a pipeline send, in the transfer time).
@@ -44,7 +53,8 @@ collective pays it, in its own bucket (a pipeline send, in the transfer time).
 parameter and gradient element sizes; buckets of 25 MiB as par3d's DDP and ZeRO buckets):
 
 * DDP: ``Σ_buckets all_reduce(bucket of P·g, R)``;
-* ZeRO-1: ``Σ all_reduce(P·g, R·N)`` + ``Σ all_gather(P·p, N)`` (the parameters after the sharded step);
+* ZeRO-1 (ZeRO-1/2 without cp only): ``Σ all_reduce(P·g, R·N)`` + ``Σ all_gather(P·p, N)`` (the parameters after
+  the sharded step);
 * ZeRO-2: ``Σ reduce_scatter(P·g, N)`` + ``Σ all_reduce(P·g/N, R)`` + ``Σ all_gather(P·p, N)``;
 * FSDP2 (ZeRO-3), per unit ``u`` (each block, then the root) of ``P_u`` elements: ``a_u · all_gather(P_u·p', N)``
   + ``reduce_scatter(P_u·g', N)`` + ``all_reduce(P_u·g'/N, R)``, where ``p'`` is the gathering dtype (2 bytes under
@@ -181,7 +191,7 @@ def bucketed(kind: str, size: float, n: int, link: Link) -> list[float]:
 
 def group_link(layout: Layout, group: str, machine: Machine, devices_per_node: int) -> Link:
     """The link ``group``'s collectives run over."""
-    crossing = spans_nodes(layout.shape, group, devices_per_node)
+    crossing = spans_nodes(layout.shape, group, devices_per_node, layout.cp)
     return machine.inter_node if crossing else machine.intra_node
 
 
@@ -234,9 +244,10 @@ def stage_cost(
     machine: Machine,
     precision: str,
     tp_link: Link,
+    cp_link: Link | None = None,
 ) -> StageCost:
     """The stage's forward and backward for one microbatch of ``samples`` (see the module docstring)."""
-    throughput, t = machine.flops_for(precision), layout.tp
+    throughput, t = machine.flops_for(precision), layout.tp * layout.cp  # FLOPs split over tp and over cp
     scale = element_bytes(precision).compute / work.activation_element_bytes
     forward = _compute(work.forward_flops * samples / t, work.forward_ops, machine, throughput)
     backward = _compute(work.backward_flops * samples / t, work.backward_ops, machine, throughput)
@@ -249,26 +260,22 @@ def stage_cost(
             backward += _compute(
                 work.block_forward_flops[b] * samples / t, work.block_forward_ops[b], machine, throughput
             )
+    launch = COLLECTIVE_CPU_OPS * machine.op_overhead_s
+    cp_fwd = cp_bwd = 0.0
+    if layout.cp > 1:
+        assert cp_link is not None
+        cp_fwd, cp_bwd = _context_collectives(work, layout.cp, samples * scale, [] if op_level else redo, cp_link,
+                                              launch)  # fmt: skip
     fwd_tp = bwd_tp = step_tp = 0.0
-    if t > 1:
+    if layout.tp > 1:
         modules = len({c.module for c in work.tp})
         if any(machine.tp_module_s):  # measured by the calibration
             glue = (modules * machine.tp_module_s[0], modules * machine.tp_module_s[1])
         else:
             glue = (DTENSOR_OPS_PER_TP_MODULE * modules * machine.dtensor_op_overhead_s,) * 2
         forward, backward = forward + glue[0], backward + glue[1]  # compute, as the profiler sees it
-        launch = COLLECTIVE_CPU_OPS * machine.op_overhead_s
-        for c in work.tp:
-            if c.phase == "step":
-                step_tp += COLLECTIVES[c.kind](c.bytes_per_sample, t, tp_link) + launch
-                continue
-            took = COLLECTIVES[c.kind](c.bytes_per_sample * samples * scale, t, tp_link) + launch
-            if c.phase == "forward":
-                fwd_tp += took
-                if not op_level and c.block is not None and c.block in redo:
-                    bwd_tp += took  # the recomputed forward issues it again
-            else:
-                bwd_tp += took
+        fwd_tp, bwd_tp, step_tp = _tensor_collectives(work, layout.tp, samples * scale, [] if op_level else redo,
+                                                      tp_link, launch)  # fmt: skip
     split = 0.0
     if machine.split_backward_op_s:  # the I's share of the backward is then the rest, with the same CPU work added
         splitting = work.backward_ops * machine.split_backward_op_s
@@ -276,7 +283,44 @@ def stage_cost(
         split = _compute(flops, work.backward_ops, machine, throughput, splitting) - _compute(
             flops, work.backward_ops, machine, throughput
         )
-    return StageCost(forward, fwd_tp, backward, bwd_tp, step_tp, split)
+    return StageCost(forward, fwd_tp + cp_fwd, backward, bwd_tp + cp_bwd, step_tp, split)
+
+
+def _tensor_collectives(
+    work: StageWork, tp: int, samples: float, recomputed: list[int], link: Link, launch: float
+) -> tuple[float, float, float]:
+    """Forward, backward and per-step time of the plan's collectives over ``tp`` ranks, for ``samples`` (at the run's
+    activation dtype): see the module docstring."""
+    forward = backward = step = 0.0
+    for c in work.tp:
+        if c.phase == "step":
+            step += COLLECTIVES[c.kind](c.bytes_per_sample, tp, link) + launch
+            continue
+        took = COLLECTIVES[c.kind](c.bytes_per_sample * samples, tp, link) + launch
+        if c.phase == "forward":
+            forward += took
+            if c.block is not None and c.block in recomputed:
+                backward += took  # the recomputed forward issues it again
+        else:
+            backward += took
+    return forward, backward, step
+
+
+def _context_collectives(
+    work: StageWork, cp: int, samples: float, recomputed: list[int], link: Link, launch: float
+) -> tuple[float, float]:
+    """Forward and backward time of the blocks' key and value all-gathers over ``cp`` ranks, for ``samples`` (at the
+    run's activation dtype): see the module docstring."""
+    forward = backward = 0.0
+    for b, kv in enumerate(work.block_kv_bytes):
+        if kv <= 0:
+            continue
+        gather = 2 * (all_gather(kv * samples / 2, cp, link) + launch)
+        forward += gather
+        backward += 2 * (reduce_scatter(kv * samples / 2, cp, link) + launch)
+        if b in recomputed:
+            backward += gather
+    return forward, backward
 
 
 # ---------------------------------------------------------------- data parallelism and the optimizer per rank
@@ -301,12 +345,12 @@ def data_parallel_collectives(
     """Each data-parallel collective one rank of this pipeline position runs per step (seconds each)."""
     from lightning_par3d.parallel.precision import fsdp_mixed_precision
 
-    if layout.dp == 1:
+    if layout.dp_cp == 1:
         return []
     _, units, _ = _elements(params)
     trained, trained_units, _ = _trained(params)
     p = g = element_bytes(precision).param
-    N, R, m = layout.dp_shard, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
+    N, R, m = layout.shard_ranks, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
     link = functools.partial(group_link, layout, machine=machine, devices_per_node=devices_per_node)
     engine = layout.data_parallel
     if engine == "ddp":
@@ -341,8 +385,8 @@ def optimizer_time(
 ) -> float:
     """One optimizer step on the rank's trained parameters (or its ZeRO rows)."""
     elements, _, tensors = _trained(params)
-    if layout.zero >= 1 and layout.dp_shard > 1:
-        elements = math.ceil(elements / layout.dp_shard)
+    if layout.zero >= 1 and layout.shard_ranks > 1:
+        elements = math.ceil(elements / layout.shard_ranks)
     p = g = element_bytes(precision).param
     state = OPTIMIZER_STATE_TENSORS.get(optimizer, 2) * 4
     streamed = elements * (2 * p + g + 2 * state) / machine.memory_bandwidth
@@ -373,7 +417,8 @@ def predict_step(
     m = layout.microbatches if layout.pp > 1 else 1
     samples = rank_batch / m
     tp_link = group_link(layout, "tp", machine, devices_per_node)
-    costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link) for w in works]
+    cp_link = group_link(layout, "cp", machine, devices_per_node) if layout.cp > 1 else None
+    costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link, cp_link) for w in works]
     counts, splits = {0: 0}, {0: 0.0}
     if layout.pp == 1:
         ends = {0: costs[0].forward + costs[0].backward}
@@ -390,7 +435,7 @@ def predict_step(
         owner = {a.stage: r for r, acts in actions.items() for a in acts}
 
         def transfer(source: int, target: int) -> float:
-            size = works[min(source, target)].output_bytes_per_sample * samples
+            size = works[min(source, target)].output_bytes_per_sample * samples / layout.cp  # a cp rank's slice
             size *= element_bytes(precision).compute / works[min(source, target)].activation_element_bytes
             link = _pp_link(layout, owner[source], owner[target], machine, devices_per_node)
             return send(size, link) + COLLECTIVE_CPU_OPS * machine.op_overhead_s

@@ -10,6 +10,9 @@ For each candidate of :mod:`~lightning_par3d.planning.candidates`, in order, the
 3. its memory (:mod:`~lightning_par3d.planning.candidate_memory`: :func:`~lightning_par3d.estimate_memory`'s
    figures) is more than ``device_memory`` on some rank.
 
+Context-parallel layouts are searched after the others, where these leave activations dominant
+(:mod:`~lightning_par3d.planning.context_search`).
+
 Every candidate that gets as far as its memory also gets a predicted step (:mod:`~lightning_par3d.planning.cost`).
 The per-layout work is shared: the model is probed once per pipeline split and tensor-parallel degree, the
 estimator runs once per class of layouts whose activations agree, and torch's schedules are built once each.
@@ -27,6 +30,7 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 from lightning_par3d.distributed.fakeworld import check_no_process_group, garbage_kept, keep_excepthook
 from lightning_par3d.planning.candidate_memory import MemoryModel
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
+from lightning_par3d.planning.context_search import context_degrees, context_may_pay, context_refusal
 from lightning_par3d.planning.cost import StepTime, predict_step
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
 from lightning_par3d.planning.probe import StageParams, StageWork, probe_layout, stage_params, stage_work
@@ -85,18 +89,14 @@ def plan(
     )  # fmt: skip
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
-    rows = []
-    seen: set[tuple[Any, ...]] = set()
-    fits_plainly: set[Layout] = set()  # layouts that fit without activation checkpointing
+    notes = []
     with keep_excepthook(), garbage_kept():
-        for config in candidates(world_size, setup.search, setup.fixed, setup.base):
-            row = _evaluate(config, setup, probes, memory, fits_plainly)
-            key = (row.layout, config.activation_checkpointing) if row.layout is not None else None
-            if key is not None and key in seen:
-                continue  # zero_stage=0 over dp_shard resolves to replication: already listed
-            if key is not None:
-                seen.add(key)
-            rows.append(row)
+        later = setup.search.context_parallel is None and "cp" not in setup.fixed  # searched where it may pay
+        first = dataclasses.replace(setup.search, context_parallel=(1,)) if later else setup.search
+        rows = _search(first, setup, probes, memory)
+        if later:
+            more, note = _context_rows(module, setup, probes, memory, rows)
+            rows, notes = rows + more, [note]
     table = PlanTable(
         rows,
         world_size,
@@ -107,11 +107,52 @@ def plan(
         precision,
         setup.machine,
         model=_name(module),
-        notes=[f"({memory.estimator_calls} estimator runs for {len(rows)} layouts.)"],
+        notes=[*notes, f"({memory.estimator_calls} estimator runs for {len(rows)} layouts.)"],
     )
     if not table.fitting:
         raise ValueError(_nothing_fits(table))
     return table
+
+
+def _search(space: SearchSpace, setup: _Setup, probes: _Probes, memory: MemoryModel) -> list[PlanRow]:
+    """The rows of every candidate of ``space``, each layout once."""
+    rows = []
+    seen: set[tuple[Any, ...]] = set()
+    fits_plainly: set[Layout] = set()  # layouts that fit without activation checkpointing
+    for config in candidates(setup.world_size, space, setup.fixed, setup.base):
+        row = _evaluate(config, setup, probes, memory, fits_plainly)
+        key = (row.layout, config.activation_checkpointing) if row.layout is not None else None
+        if key is not None and key in seen:
+            continue  # zero_stage=0 over dp_shard resolves to replication: already listed
+        if key is not None:
+            seen.add(key)
+        rows.append(row)
+    return rows
+
+
+def _context_rows(
+    module: nn.Module | Callable[[], nn.Module], setup: _Setup, probes: _Probes, memory: MemoryModel,
+    rows: list[PlanRow],
+) -> tuple[list[PlanRow], str]:  # fmt: skip
+    """The context-parallel layouts' rows where activations dominate without them (:mod:`~lightning_par3d.
+    planning.context_search`), and the table's note on why they were searched or not."""
+    degrees = context_degrees(setup.world_size, setup.seq_len)
+    if not degrees:
+        return [], (
+            f"(cp > 1 not searched: no degree that divides {setup.world_size} ranks has a 2·cp that divides "
+            f"seq_len={setup.seq_len}.)"
+        )
+    why, why_not = context_may_pay(rows)
+    if why is None:
+        return [], (
+            f"(cp > 1 not searched: {why_not}. SearchSpace(context_parallel=(1, 2)) or fixed={{'cp': 2}} searches "
+            "it anyway.)"
+        )
+    refusal = context_refusal(module, setup.base)
+    if refusal is not None:
+        return [], f"(cp > 1 not searched although {why}: {refusal})"
+    space = dataclasses.replace(setup.search, context_parallel=degrees)
+    return _search(space, setup, probes, memory), f"(cp = {', '.join(map(str, degrees))} searched too: {why}.)"
 
 
 def evaluate(
@@ -379,7 +420,7 @@ def _evaluate(
     from lightning_par3d.parallel.precision import check_precision
 
     layout, reason = rejection(config, setup.world_size, setup.devices_per_node, setup.batch.global_batch,
-                               setup.batch.rank_batch)  # fmt: skip
+                               setup.batch.rank_batch, setup.seq_len)  # fmt: skip
     if reason is not None or layout is None:
         return PlanRow(config, layout, reason=reason)
     checkpointing = config.activation_checkpointing != "none"

@@ -6,8 +6,11 @@ Two probes, both on copies of the model that hold no storage:
   device, through one forward and backward of a small batch, and counts with ``torch.utils.flop_counter.
   FlopCounterMode`` the FLOPs of forward and backward (per sample: they grow linearly with the batch), with a
   dispatch mode the aten ops each runs (per microbatch: they do not grow with it), per checkpointable block the
-  forward's FLOPs and ops (what activation checkpointing recomputes), and, for every module the tensor-parallel
-  plan names, the bytes of its input and output (which size its collectives: :data:`STYLE_COLLECTIVES`);
+  forward's FLOPs and ops (what activation checkpointing recomputes) and the bytes of the keys and values its
+  attention reads (what context parallelism gathers: each head once, as
+  :func:`~lightning_par3d.parallel.context_parallel.unrepeated` gives them), and, for every module the
+  tensor-parallel plan names, the bytes of its input and output (which size its collectives:
+  :data:`STYLE_COLLECTIVES`);
 * :func:`stage_params` splits the model as a run does and applies the run's tensor-parallel plan
   (:func:`~lightning_par3d.compose.parallelize_part`, the function a run and the memory estimator
   call) over torch's fake process group, and reads each parameter's shape on tensor-parallel rank 0 (what the ZeRO
@@ -29,10 +32,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.config.tp_vocabulary import canonical
+from lightning_par3d.parallel.context_parallel import kv_ratio_of
+from lightning_par3d.utils.patterns import find_transformers_model
 
 PROBE_BATCH = 2
 """Samples per probe run; FLOPs and bytes are divided by it (per sample)."""
@@ -125,6 +131,9 @@ class StageWork:
     first_block: int = 0
     """The position of the stage's first block among the whole model's (``selective`` counts from the model's
     first block, at every number of stages)."""
+    block_kv_bytes: tuple[float, ...] = ()
+    """Per block, per sample: the keys and values its attention reads over the whole sequence, at the element size
+    as built (under ``cp > 1``, what each block's all-gathers return)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,26 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _AttentionBytes(TorchFunctionMode):
+    """Adds up the keys and values each ``scaled_dot_product_attention`` call reads (each key/value head once)."""
+
+    def __init__(self, kv_ratio: int) -> None:
+        super().__init__()
+        self.kv_ratio, self.bytes = kv_ratio, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            from lightning_par3d.parallel.context_parallel import unrepeated
+
+            query, key, value = (*args, None, None, None)[:3]
+            key, value = kwargs.get("key", key), kwargs.get("value", value)
+            query = kwargs.get("query", query)
+            if all(isinstance(t, Tensor) for t in (query, key, value)):
+                self.bytes += sum(_bytes(t) for t in unrepeated(query, key, value, self.kv_ratio))
+        return func(*args, **kwargs)
+
+
 def count_ops(run: Callable[[], Any]) -> tuple[Any, int]:
     """``run()``'s result and the aten ops it dispatched."""
     counter = _OpCounter()
@@ -285,11 +314,12 @@ def stage_work(
         inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
         run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
         sizes: dict[str, tuple[int, int]] = {}
-        per_block: list[tuple[float, int, int]] = []
+        per_block: list[tuple[float, int, int, int]] = []
         forward = FlopCounterMode(display=False)
         counter = _OpCounter()
-        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter)
-        with _quiet(), forward, counter:
+        attention = _AttentionBytes(kv_ratio_of(found[1]) if (found := find_transformers_model(parts.root)) else 1)
+        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter, attention)
+        with _quiet(), forward, counter, attention:
             output, loss = run()
         for hook in hooks:
             hook.remove()
@@ -305,9 +335,10 @@ def stage_work(
                 backward_flops=backward.get_total_flops() / PROBE_BATCH,
                 forward_ops=counter.ops,
                 backward_ops=back_counter.ops,
-                block_forward_flops=tuple(f / PROBE_BATCH for f, _, _ in per_block),
-                block_forward_ops=tuple(o for _, o, _ in per_block),
-                block_cheap_ops=tuple(c for _, _, c in per_block),
+                block_forward_flops=tuple(f / PROBE_BATCH for f, _, _, _ in per_block),
+                block_forward_ops=tuple(o for _, o, _, _ in per_block),
+                block_cheap_ops=tuple(c for _, _, c, _ in per_block),
+                block_kv_bytes=tuple(kv / PROBE_BATCH for _, _, _, kv in per_block),
                 tp=_tp_collectives(part, names, sizes, blocks),
                 output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
                 activation_element_bytes=element,
@@ -370,22 +401,27 @@ def _size_hooks(part: nn.Module, names: dict[str, str], sizes: dict[str, tuple[i
 
 
 def _block_hooks(
-    blocks: list[nn.Module], per_block: list[tuple[float, int, int]], flops: Any, counter: _OpCounter
+    blocks: list[nn.Module],
+    per_block: list[tuple[float, int, int, int]],
+    flops: Any,
+    counter: _OpCounter,
+    attention: _AttentionBytes,
 ) -> list[Any]:
-    """Hooks recording each block's forward FLOPs, ops and ops without FLOPs, read from the running counters."""
+    """Hooks recording each block's forward FLOPs, ops, ops without FLOPs and attention's key and value bytes, read
+    from the running counters."""
     hooks = []
-    started: list[tuple[float, int, int]] = []  # a stack: blocks may nest
+    started: list[tuple[float, int, int, int]] = []  # a stack: blocks may nest
 
-    def totals() -> tuple[float, int, int]:
-        return float(flops.get_total_flops()), counter.ops, counter.cheap
+    def totals() -> tuple[float, int, int, int]:
+        return float(flops.get_total_flops()), counter.ops, counter.cheap, attention.bytes
 
     def before(_m: nn.Module, _a: Any) -> None:
         started.append(totals())
 
     def after(_m: nn.Module, _a: Any, _o: Any) -> None:
-        f0, o0, c0 = started.pop()
-        f1, o1, c1 = totals()
-        per_block.append((f1 - f0, o1 - o0, c1 - c0))
+        start, end = started.pop(), totals()
+        f, o, c, kv = (b - a for a, b in zip(start, end, strict=True))
+        per_block.append((float(f), int(o), int(c), int(kv)))
 
     for block in blocks:
         hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]

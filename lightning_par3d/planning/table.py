@@ -52,9 +52,9 @@ class PlanRow:
         c = self.config
         layout = self.layout
         sizes = (
-            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}·tp{layout.tp}"
+            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}{_cp(layout.cp)}·tp{layout.tp}"
             if layout is not None
-            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}·tp{c.tp}"
+            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}{_cp(c.cp)}·tp{c.tp}"
         )
         parts = [sizes, f"z{_zero(self)}"]
         if c.pp > 1:
@@ -74,6 +74,8 @@ class PlanRow:
         if layout is not None:
             args.update(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
             args["zero_stage"] = layout.zero
+            if layout.cp > 1:
+                args["cp"] = layout.cp
         if c.pp > 1:
             args.update(pipeline_schedule=c.pipeline_schedule, microbatches=c.microbatches)
             if c.virtual_stages != 1:
@@ -81,6 +83,10 @@ class PlanRow:
         if c.activation_checkpointing != "none":
             args["activation_checkpointing"] = c.activation_checkpointing
         return args
+
+
+def _cp(cp: int) -> str:
+    return f"·cp{cp}" if cp > 1 else ""
 
 
 def _zero(row: PlanRow) -> int:
@@ -161,7 +167,7 @@ class PlanTable:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.rows = sorted(self.rows, key=_rank_key)
+        self.rows = sorted(self.rows, key=rank_key)
 
     def __iter__(self) -> Iterator[PlanRow]:
         return iter(self.rows)
@@ -202,7 +208,7 @@ class PlanTable:
         return format_bytes(row.peak_memory) if row.peak_memory is not None else "—"
 
 
-def _rank_key(row: PlanRow) -> tuple[int, float, str]:
+def rank_key(row: PlanRow) -> tuple[int, float, str]:
     """Fitting layouts by time per sample (at one global batch, by step time), then by memory, then the rest."""
     if row.fits and row.time is not None:
         return (0, row.time.total / (row.samples or 1), row.describe())
@@ -298,12 +304,13 @@ def _rate(per_s: float | None) -> str:
 
 def _sizes(row: PlanRow) -> str:
     source = row.layout if row.layout is not None else row.config
-    return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard} × tp={source.tp}"
+    cp = f" × cp={source.cp}" if source.cp > 1 else ""
+    return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard}{cp} × tp={source.tp}"
 
 
 def _zero_text(row: PlanRow) -> str:
     if row.layout is not None:
-        return str(row.layout.zero) if row.layout.dp > 1 else "—"
+        return str(row.layout.zero) if row.layout.dp_cp > 1 else "—"
     return str(row.config.zero_stage) if row.config.zero_stage is not None else "—"
 
 
