@@ -110,10 +110,13 @@ def run_par3d(
     data: dict[str, Any] | None = None,
     own_plan: bool = False,
     extra_callbacks: list[L.Callback] | None = None,
+    rank_batch: int | None = None,
     **trainer_overrides: Any,
 ) -> dict[str, Any]:
-    """One par3d run inside a pool worker. ``own_plan``: the module's ``tp_plan`` hook returns the transformers
-    model's own plan (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
+    """One par3d run inside a pool worker. Each data-parallel rank reads ``GLOBAL_BATCH / dp`` samples a step, or
+    ``rank_batch`` (``layout="auto"``, whose dp is chosen at launch); the result's ``layout`` is the one trained.
+    ``own_plan``: the module's ``tp_plan`` hook returns the transformers model's own plan
+    (``dict(self.model.tp_plan)``) instead of ``"auto"``. ``export_to``: then ``save_pretrained``
     there (``SavePretrained``).
     ``checkpoint_to``: then a par3d checkpoint there; ``resume_from``: resume from one. ``logits_of``: then the
     trained model's logits for these ids (``trainer.predict``: on every rank, under pp too). The result
@@ -132,7 +135,7 @@ def run_par3d(
     kwargs = trainer_kwargs(max_steps=max_steps, **trainer_overrides)
     trainer = L.Trainer(devices=devices, strategy=par3d, callbacks=callbacks, **kwargs)
     lm = (_OwnPlanRecorder if own_plan else _BuildRecorder)(**{**TINY, **(model or {})})
-    dp = par3d.layout.dp
+    batch_size = rank_batch if rank_batch is not None else GLOBAL_BATCH // par3d.layout.dp
     read = [0]
     original = HuggingFaceStorageReader._process_read_request
 
@@ -142,13 +145,14 @@ def run_par3d(
 
     HuggingFaceStorageReader._process_read_request = counting  # type: ignore[method-assign]
     try:
-        datamodule = ShakespeareDataModule(batch_size=GLOBAL_BATCH // dp, **{**DATA, **(data or {})})
+        datamodule = ShakespeareDataModule(batch_size=batch_size, **{**DATA, **(data or {})})
         trainer.fit(lm, datamodule, ckpt_path=resume_from)
     finally:
         HuggingFaceStorageReader._process_read_request = original  # type: ignore[method-assign]
     if checkpoint_to is not None:
         trainer.save_checkpoint(checkpoint_to)
     result: dict[str, Any] = {
+        "layout": par3d.layout,
         "losses": recorder.losses,
         "params": full_state(lm),
         "real_bytes_built": lm.real_bytes_built,

@@ -269,7 +269,6 @@ def test_expert_parallel_refusals():
         (Par3DConfig(dp_shard=4, ep=3), r"ep=3 splits the experts over ranks taken from dp_shard, but dp_shard=4"),
         (Par3DConfig(dp_shard=4, ep=2, zero_stage=1), r"ep=2 runs under FSDP2 \(zero_stage=3\).*zero_stage=1"),
         (Par3DConfig(ep=0), r"ep=0 must be a positive integer"),
-        (Par3DConfig(ep=2, layout="auto"), r"layout='auto' with ep=2: the planner does not choose expert-parallel"),
     ):
         with pytest.raises(ValueError, match=message):
             resolve_layout(config, 4)
@@ -474,44 +473,47 @@ def test_a_per_expert_pretrained_checkpoint_is_read_into_each_ranks_expert_shard
             assert all(rank["real_bytes_built"] == 0 for rank in ranks), "a rank built real parameters"
 
 
-def test_the_estimator_runs_experts_in_bf16_and_says_why_not_in_fp32():
-    """torch 2.13's fake ``grouped_mm`` (transformers' experts call it) accepts bf16 only: the estimate of fp32
-    experts is refused saying so and what works; in bf16 the experts are estimated, split over tp."""
+def test_the_estimator_runs_experts_in_fp32_and_bf16():
+    """torch 2.13's fake ``grouped_mm`` (transformers' experts call it) accepts bf16 only; par3d shapes its fp32
+    output itself (``torch_private.fp32_grouped_mm_on_fake``), as the CPU kernel computes it: the experts are
+    estimated in both, split over tp, at twice the bytes in fp32."""
     from lightning_par3d import Par3DConfig, estimate_memory
     from lightning_par3d.distributed.fakeworld import forget_meshes
 
     config = Par3DConfig(dp_shard=2, tp=2, tp_plan="auto")
-    with forget_meshes(), pytest.raises(ValueError, match=r"fake grouped_mm .* accepts bf16 inputs only.*bf16-true"):
-        estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32))
     with forget_meshes():
+        full = estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32))
         split = estimate_memory(module(MOE["qwen3_moe"]), config, 4, (8, 32), precision="bf16-true")
         whole = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(dp_shard=2), 2, (8, 32), precision="bf16-true")
     assert 0 < split.rows[0].state.params < whole.rows[0].state.params  # the experts, most of the model, cut over tp
+    assert full.rows[0].state.params == 2 * split.rows[0].state.params
 
 
-def _measured_memory(strategy: dict) -> dict:
-    """A pool job: a bf16 run's model state before its second step, and its batches' peak saved activations."""
+def _measured_memory(strategy: dict, precision: str) -> dict:
+    """A pool job: a run's model state before its second step, and its batches' peak saved activations."""
     from tests.test_estimate import MemoryProbe
 
     probe = MemoryProbe()
-    run = dict(devices=4, model=MOE["qwen3_moe"], precision="bf16-true", max_steps=3, extra_callbacks=[probe])
+    run = dict(devices=4, model=MOE["qwen3_moe"], precision=precision, max_steps=3, extra_callbacks=[probe])
     run_par3d(strategy=strategy, **run)
     return {"state": probe.state, "activations": probe.activations}
 
 
-def test_the_estimate_of_expert_parallel_matches_a_measured_run(pool4):
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_the_estimate_of_expert_parallel_matches_a_measured_run(pool4, precision):
     """Under ep the estimator runs the run's own build (the experts split over ep, FSDP2 over the ranks sharing
     them) on fake tensors, the routing taken as balanced: the model state per rank to the byte, the activations
-    (the dispatch buffers included) within the routing's imbalance."""
+    (the dispatch buffers included) within the routing's imbalance; in fp32 too (the experts' grouped_mm shaped by
+    par3d where torch's fake one refuses fp32)."""
     from lightning_par3d import Par3DConfig, estimate_memory
     from lightning_par3d.distributed.fakeworld import forget_meshes
     from tests.gpt_runs import GLOBAL_BATCH
 
     strategy = dict(dp_shard=4, ep=2)
-    measured = pool4.run(_measured_memory, strategy=strategy)
+    measured = pool4.run(_measured_memory, strategy=strategy, precision=precision)
     with forget_meshes():
         batch = (GLOBAL_BATCH // 4, module().hparams.block_size)
-        estimate = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(**strategy), 4, batch, precision="bf16-true")
+        estimate = estimate_memory(module(MOE["qwen3_moe"]), Par3DConfig(**strategy), 4, batch, precision=precision)
     row = estimate.rows[0]
     for got in measured:
         assert row.state == got["state"]
@@ -564,3 +566,48 @@ def test_a_router_loss_par3d_does_not_know_is_refused_on_every_rank(pool2):
     with pytest.raises(RankError, match="differs from the Switch Transformer loss par3d computes") as info:
         pool2.run(_another_router_loss_on_rank_1, max_steps=1, **run)
     assert info.value.all_ranks_failed
+
+
+# ---------------------------------------------------------------- the planner and layout="auto"
+
+
+def test_the_plan_of_a_moe_model_searches_ep_and_its_memory_is_the_estimators():
+    """A tiny Qwen3-MoE (4 experts per layer) on 4 ranks: ep = 2 and 4 are searched beside the dense layouts, each
+    where it divides dp_shard (FSDP2 alone under ep); every kind of ep row's memory is the estimator's (fp32: the
+    experts' grouped_mm shaped by par3d), and its step prices the blocks' all-to-alls."""
+    from lightning_par3d import estimate_memory
+    from lightning_par3d.distributed.fakeworld import forget_meshes
+    from lightning_par3d.planning import plan
+
+    table = plan(module(MOE["qwen3_moe"]), 4, 4, "1GiB", global_batch=8, seq_len=32, machine="h100-sxm-8")
+    assert "(ep = 2, 4 searched too: CausalLMModule has 4 experts per layer.)" in table.notes
+    experts = [row for row in table.fitting if row.layout.ep > 1]
+    assert {(row.layout.ep, row.layout.dp_shard) for row in experts} >= {(2, 2), (2, 4), (4, 4)}
+    assert all(row.layout.zero == 3 and row.layout.dp_shard % row.layout.ep == 0 for row in experts)
+    assert all(row.time.tp_comm > 0 for row in experts if row.layout.tp == 1)  # the all-to-alls alone
+    seen = set()
+    for row in experts:
+        kind = (row.layout.pp, row.layout.tp, row.layout.ep, row.layout.dp_shard, row.layout.dp_replicate)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        with forget_meshes():
+            expected = estimate_memory(module(MOE["qwen3_moe"]), row.config, 4, (8 // row.layout.dp, 32))
+        assert row.memory == expected, row.describe()
+    assert len(seen) >= 4
+    assert "ep" in experts[0].describe() and experts[0].strategy_arguments()["ep"] == experts[0].layout.ep
+
+
+def test_auto_keeps_a_pinned_ep_and_trains_on_the_single_process_trajectory(pool4, tmp_path):
+    """``layout="auto"`` with ``ep=2``: the layouts whose dp_shard ep divides are planned and 2 measured, in the same
+    processes; the one trained splits the experts over 2 ranks and reaches one process's losses and parameters."""
+    strategy = dict(layout="auto", ep=2, measure=2, plan_machine="h100-sxm-8")
+    results = pool4.run(run_par3d, strategy=strategy, devices=4, model=MOE["qwen3_moe"], rank_batch=2,
+                        default_root_dir=str(tmp_path))  # fmt: skip
+    layout = results[0]["layout"]
+    assert all(result["layout"] == layout for result in results)
+    assert layout.ep == 2 and layout.dp_shard % 2 == 0, layout
+    log = pool4.log_tail(0, chars=20000)
+    assert "par3d layout='auto': chose " in log and "ep=2" in log, log
+    assert set(results[0]["split_over_ep"].values()) == {2}
+    assert_parity(results[0], reference("qwen3_moe"))

@@ -18,6 +18,7 @@ from lightning_par3d.planning.candidates import candidates
 from lightning_par3d.planning.cost import (
     all_gather,
     all_reduce,
+    all_to_all,
     data_parallel_collectives,
     group_link,
     predict_step,
@@ -268,10 +269,35 @@ def test_context_refusal_names_what_the_model_lacks():
     from torch import nn
 
     from lightning_par3d.planning.context_search import context_refusal
+    from lightning_par3d.planning.probe import build_meta
 
-    assert context_refusal(GPTModule(**MODEL), Par3DConfig()) is None
-    assert "position_ids" in context_refusal(lambda: nn.Linear(4, 4), Par3DConfig())
-    assert "token mean" in context_refusal(GPTModule(**MODEL), Par3DConfig(loss_mean="microbatches"))
+    gpt = build_meta(GPTModule(**MODEL))
+    assert context_refusal(gpt, Par3DConfig()) is None
+    assert "position_ids" in context_refusal(nn.Linear(4, 4), Par3DConfig())
+    assert "token mean" in context_refusal(gpt, Par3DConfig(loss_mean="microbatches"))
+
+
+def test_expert_parallel_costs_its_all_to_alls_and_shards_the_experts_over_fewer_ranks():
+    """ep=2 over dp_shard=4: each block with experts sends its routed rows there and back (two all-to-alls, after a
+    latency-only exchange of the counts) in forward, the two again in backward; the compute stays (routing taken as
+    balanced); FSDP2 gathers the dense part over 4 ranks and the rank's half of the experts over the 2 that share
+    them."""
+    link = Link(1e-5, 1e9, all_to_all_factor=1.5)
+    machine = Machine("uniform", {"fp32": 1e9}, 0.0, 0.0, 1e30, link, link, async_kernels=False)
+    work = StageWork(0, 1e6, 2e6, 0, 0, (1e5, 1e5), (0, 0), (0, 0), (), 0.0, 4, block_routed_bytes=(4e3, 0.0))
+    params = StageParams(0, (), (3000, 100), 2, expert_units=((2000, 2000), (0, 0)))
+    dense = resolve_layout(Par3DConfig(dp_shard=4), 4)
+    split = resolve_layout(Par3DConfig(dp_shard=4, ep=2), 4)
+    plain, step = (predict_step(Par3DConfig(), x, [work], [params], 2, machine, 8) for x in (dense, split))
+    assert step.compute == pytest.approx(plain.compute) and plain.tp_comm == 0
+    exchange = 2 * all_to_all(4e3 * 2, 2, link)
+    assert step.tp_comm == pytest.approx(2 * exchange + link.latency_s)
+    gathers = data_parallel_collectives(split, [params], "32-true", machine, 8)
+    expected = [all_gather(1000 * 4, 4, link), all_gather(1000 * 4, 2, link), all_gather(100 * 4, 4, link)]
+    assert sorted(gathers) == pytest.approx(sorted(
+        [expected[0]] * 2 + [reduce_scatter(1000 * 4, 4, link)] + [expected[1]] * 2
+        + [reduce_scatter(1000 * 4, 2, link)] + [expected[2], reduce_scatter(100 * 4, 4, link)]
+    ))  # fmt: skip
 
 
 def test_context_parallel_costs_its_gathers_and_splits_the_compute():
@@ -541,14 +567,17 @@ def test_calibration_fit_recovers_latency_and_bandwidth():
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
 
 
-def test_reduce_scatter_costs_what_the_calibration_measured_over_an_all_gather():
-    from lightning_par3d.planning.calibrate import reduce_scatter_factor
+def test_reduce_scatter_and_all_to_all_cost_what_the_calibration_measured_over_an_all_gather():
+    from lightning_par3d.planning.calibrate import factor_over_all_gather
 
     link = Link(1e-4, 1e9)
     samples = [("reduce_scatter", float(s), 3.0 * all_gather(s, 4, link)) for s in (4096, 2**20)]
+    samples += [("all_to_all", float(s), 1.5 * all_gather(s, 4, link)) for s in (4096, 2**20)]
     samples += [("all_gather", 4096.0, all_gather(4096, 4, link))]
-    assert reduce_scatter_factor(samples, 4, link) == pytest.approx(3.0)
-    assert reduce_scatter_factor(samples[2:], 4, link) == 1.0  # none measured
+    assert factor_over_all_gather("reduce_scatter", samples, 4, link) == pytest.approx(3.0)
+    assert factor_over_all_gather("all_to_all", samples, 4, link) == pytest.approx(1.5)
+    assert factor_over_all_gather("reduce_scatter", samples[4:], 4, link) == 1.0  # none measured
+    assert all_to_all(8e6, 4, Link(1e-4, 1e9, all_to_all_factor=1.5)) == pytest.approx(1.5 * all_gather(8e6, 4, link))
     slower = Link(1e-4, 1e9, reduce_scatter_factor=3.0)
     assert reduce_scatter(8e6, 4, slower) == pytest.approx(3 * all_gather(8e6, 4, link))
     assert reduce_scatter(8e6, 4, link) == pytest.approx(all_gather(8e6, 4, link))
@@ -568,7 +597,7 @@ def test_calibrate_measures_this_machine():
     assert machine.flops_for("32-true") > 1e8 and 0 < machine.op_overhead_s < 1e-2
     assert machine.intra_node.bandwidth > 1e6 and math.isfinite(machine.intra_node.latency_s)
     assert 0 < machine.measurements["measuring_s"] < machine.measurements["calibration_s"]  # a part of the whole
-    assert machine.intra_node.reduce_scatter_factor >= 1.0
+    assert machine.intra_node.reduce_scatter_factor >= 1.0 and machine.intra_node.all_to_all_factor >= 1.0
     assert 0 < machine.split_backward_op_s < 1e-2  # torch's split walks the graph in Python: never free on a CPU
     forward, backward = machine.tp_module_s  # DTensor's dispatch and autograd functions: never free either
     assert 0 < forward < 0.1 and 0 < backward < 0.1

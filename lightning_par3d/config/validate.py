@@ -241,13 +241,6 @@ def _check_zero_layout(config: Par3DConfig, layout: Layout, errors: _Errors) -> 
 
 def _check_expert_static(config: Par3DConfig, errors: _Errors) -> None:
     _check_positive_int(errors, "ep", config.ep, "expert-parallel degree, taken from dp_shard")
-    if not isinstance(config.ep, int) or config.ep == 1:
-        return
-    if config.layout == "auto":
-        errors.add(
-            f"layout='auto' with ep={config.ep}: the planner does not choose expert-parallel layouts yet. Give the "
-            f"sizes yourself (e.g. dp_shard a multiple of {config.ep}, ep={config.ep}), or leave ep=1 for the planner."
-        )
 
 
 def _check_context_static(config: Par3DConfig, errors: _Errors) -> None:

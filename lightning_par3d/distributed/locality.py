@@ -16,22 +16,25 @@ import os
 from lightning_par3d.config import Layout
 
 
-def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int, cp: int = 1) -> bool:
-    """Whether any ``group`` (a mesh dimension, ``dp`` or ``cp``) of the mesh ``shape`` (pp, dp_replicate,
-    dp_shard × cp, tp) holds ranks of two nodes of ``devices_per_node`` ranks each."""
+def spans_nodes(shape: tuple[int, int, int, int], group: str, devices_per_node: int, cp: int = 1, ep: int = 1) -> bool:
+    """Whether any ``group`` (a mesh dimension, ``dp``, ``cp``, or under ``ep > 1`` the experts' ``ep`` and
+    ``expert_shard``) of the mesh ``shape`` (pp, dp_replicate, dp_shard × cp, tp) holds ranks of two nodes of
+    ``devices_per_node`` ranks each."""
     pp, dp_replicate, shard_ranks, tp = shape
-    return _spans(pp, dp_replicate, shard_ranks // cp, cp, tp, group, devices_per_node)
+    return _spans(pp, dp_replicate, shard_ranks // cp, cp, ep, tp, group, devices_per_node)
 
 
 @functools.cache
-def _spans(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, group: str, devices_per_node: int) -> bool:
+def _spans(
+    pp: int, dp_replicate: int, dp_shard: int, cp: int, ep: int, tp: int, group: str, devices_per_node: int
+) -> bool:
     from lightning_par3d.distributed.mesh import Par3DMesh
 
-    mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp))
-    world = pp * dp_replicate * dp_shard * cp * tp
-    if world <= devices_per_node:
+    mesh = Par3DMesh(Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, tp=tp))
+    if mesh.layout.world_size <= devices_per_node:
         return False
-    return any(len({r // devices_per_node for r in mesh.group_ranks(group, rank)}) > 1 for rank in range(world))
+    groups = mesh.all_group_ranks()[group]
+    return any(len({r // devices_per_node for r in ranks}) > 1 for ranks in groups)
 
 
 def tp_across_nodes(layout: Layout, devices_per_node: int) -> str | None:

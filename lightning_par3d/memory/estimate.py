@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,7 +190,7 @@ def estimate_memory(
     check_batch_splits(_rows_of(batch), micro)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
-        with garbage_kept(), _fake_grouped_mm_explained(precision):
+        with garbage_kept():
             stages = measure_stages(module, config, layout, batch, micro, precision, loss_fn, shared_measures)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []
@@ -263,21 +262,3 @@ def check_batch_splits(rows: int | None, microbatches: int) -> None:
         f"microbatches divides (a multiple of {microbatches}: batch_size, or global_batch / dp), or use "
         f"microbatches={fits} or fewer."
     )
-
-
-@contextmanager
-def _fake_grouped_mm_explained(precision: str) -> Iterator[None]:
-    """torch 2.13's fake (meta) ``_grouped_mm``, which transformers' mixture-of-experts layers call, accepts bf16
-    inputs only (the CPU kernel also runs fp32): the error it raises under the estimator's fake tensors, said for a
-    person."""
-    try:
-        yield
-    except RuntimeError as error:
-        if "Expected inputs of BF16 type" not in str(error):
-            raise
-        raise ValueError(
-            f"The memory estimator runs the model on fake tensors, and torch's fake grouped_mm (the experts of this "
-            f"mixture-of-experts model call it) accepts bf16 inputs only, so it cannot run this model's experts at "
-            f"precision={precision!r} (their weights in fp32). Estimate at precision='bf16-true', or 'bf16-mixed' with "
-            "dp_shard > 1 (FSDP2 gathers the weights in bf16). (A limit of torch's meta registration of _grouped_mm.)"
-        ) from error

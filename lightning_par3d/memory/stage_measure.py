@@ -48,7 +48,12 @@ from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
 from lightning_par3d.pipeline.trunk import declared_pipeline
-from lightning_par3d.utils.torch_private import fake_mode_paused, fake_tensor_mode, moves_in_place_skipped
+from lightning_par3d.utils.torch_private import (
+    fake_mode_paused,
+    fake_tensor_mode,
+    fp32_grouped_mm_on_fake,
+    moves_in_place_skipped,
+)
 
 
 @dataclass
@@ -302,7 +307,7 @@ class _Part:
             with self.fake:
                 part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn, own)
                 hooks = _block_meters(blocks, meter, sizes)
-                with autocast(self.precision), meter:
+                with autocast(self.precision), meter, fp32_grouped_mm_on_fake():
                     run()
                 for hook in hooks:
                     hook.remove()
@@ -312,7 +317,7 @@ class _Part:
             part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn, own)
             shapes = _tp_local_shapes(part)
             frozen = [not p.requires_grad for p in part.parameters()]
-            with autocast(self.precision), meter:
+            with autocast(self.precision), meter, fp32_grouped_mm_on_fake():
                 output = run()
         detached = output.detach() if isinstance(output, Tensor) else None
         return StageMeasure(shapes, meter.peak, recompute, detached, frozen)

@@ -8,7 +8,7 @@ lists. This module turns the timings into the machine's figures:
 * the collectives' times are fitted by least squares, relative to each time, to the ring formulas of
   :mod:`~lightning_par3d.planning.cost` for a latency α per step and a bandwidth β; the reduce-scatters' median time
   over the fitted all-gather's of their size is the link's ``reduce_scatter_factor`` ρ (1 on NCCL, several on gloo,
-  which runs it as more than a ring pass);
+  which runs it as more than a ring pass), and the all-to-alls' its ``all_to_all_factor``;
 * the pipeline step gives the machine's ``pipeline_action_s``: the cost per action that makes the planner's own
   simulation of that schedule (:mod:`~lightning_par3d.planning.schedule_timing`, the stage's ops and the hops priced
   as the cost model prices them) last as long as the measured step;
@@ -134,7 +134,11 @@ def _machine(
     """The machine of the figures ``measured``; ``fit_action`` computes :func:`pipeline_action_seconds` (where this
     process has no process group, that function itself)."""
     link = _fit_link(measured["collectives"], n)
-    link = dataclasses.replace(link, reduce_scatter_factor=reduce_scatter_factor(measured["collectives"], n, link))
+    link = dataclasses.replace(
+        link,
+        reduce_scatter_factor=factor_over_all_gather("reduce_scatter", measured["collectives"], n, link),
+        all_to_all_factor=factor_over_all_gather("all_to_all", measured["collectives"], n, link),
+    )
     gpu = backend == "nccl"
     pp, step_s = measured["pipeline"]
     fit = fit_action or pipeline_action_seconds
@@ -159,18 +163,19 @@ def _machine(
             "alpha_s": link.latency_s,
             "beta_bytes_per_s": link.bandwidth,
             "reduce_scatter_factor": link.reduce_scatter_factor,
+            "all_to_all_factor": link.all_to_all_factor,
             "pipeline_step_s": step_s,
             "pipeline_action_s": action_s,
         },
     )
 
 
-def reduce_scatter_factor(samples: list[tuple[str, float, float]], n: int, link: Link) -> float:
-    """The median, over the sizes measured, of a reduce-scatter's time over the fitted all-gather's of its size (1
-    where none was measured; never below 1)."""
+def factor_over_all_gather(kind: str, samples: list[tuple[str, float, float]], n: int, link: Link) -> float:
+    """The median, over the sizes measured, of a ``kind`` collective's time (a reduce-scatter, an all-to-all) over
+    the fitted all-gather's of its size (1 where none was measured; never below 1)."""
     from lightning_par3d.planning.cost import all_gather
 
-    ratios = [seconds / all_gather(size, n, link) for kind, size, seconds in samples if kind == "reduce_scatter"]
+    ratios = [seconds / all_gather(size, n, link) for measured, size, seconds in samples if measured == kind]
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 

@@ -3,11 +3,12 @@
 The estimator's cost is its fake build and forward of every stage (about a second a layout on a small CPU); a plan
 compares hundreds of layouts. Its result is made of three parts, and layouts share the expensive one:
 
-* **activations per microbatch of each stage, and the recompute peak of each rank**: they depend on the stages
-  (``pp``, stages per rank and their placement), ``tp``, ``cp``, activation checkpointing, the microbatch's size, the
-  precision, and, under ``-mixed`` precision only, on whether FSDP2 serves the layout (its mixed-precision policy
-  gathers parameters in bf16, so autocast makes no copies of them); not on how the data-parallel ranks are split or
-  on the ZeRO stage. :class:`MemoryModel` runs the estimator for the first layout of each such class;
+* **activations per microbatch of each stage, and the recompute peak of each rank**: they depend on the stages (``pp``,
+  stages per rank and their placement), ``tp``, ``cp``, ``ep`` (with ``dp_shard`` under ``ep > 1``), activation
+  checkpointing, the microbatch's size, the precision, and, under ``-mixed`` precision only, on whether FSDP2 serves the
+  layout (its mixed-precision policy gathers parameters in bf16, so autocast makes no copies of them); not on how the
+  data-parallel ranks are split or on the ZeRO stage. :class:`MemoryModel` runs the estimator for the first layout of
+  each such class;
 * **microbatches in flight**: the walk over torch's schedule order
   (:func:`~lightning_par3d.pipeline.actions.schedule_peak`, the estimator's walk), per layout;
 * **model state**: the ZeRO formulas (:func:`~lightning_par3d.zero.formula.model_state_formula`, which the
@@ -94,6 +95,7 @@ class MemoryModel:
             recomputes and layout.pp > 1 and layout.schedule in V_SCHEDULES,
             layout.tp,
             layout.cp,
+            (layout.ep, layout.dp_shard) if layout.ep > 1 else 1,  # the experts a rank holds, and how FSDP2 cuts them
             ac,
             config.ac_every if ac == "selective" else None,
             micro,

@@ -2,8 +2,9 @@
 
 Every factorization ``world_size = pp × dp_replicate × dp_shard × cp × tp`` is a candidate (``cp > 1`` where
 :class:`SearchSpace` tries context parallelism: for a model whose attention it can split, at degrees ``2·cp`` divides
-the sequence by), and for each: the ZeRO stages (over ``dp_shard > 1``; ``dp_shard = 1`` is replication, stage 0;
-under ``cp > 1`` FSDP2 over ``dp_shard × cp``, stage 3, alone), under ``pp > 1`` each pipeline schedule with
+the sequence by), and for each: the expert-parallel degrees that divide ``dp_shard`` (where :class:`SearchSpace` tries
+them: for a mixture-of-experts model), the ZeRO stages (over ``dp_shard > 1``; ``dp_shard = 1`` is replication,
+stage 0; under ``cp > 1`` or ``ep > 1`` FSDP2, stage 3, alone), under ``pp > 1`` each pipeline schedule with
 its stages per rank and microbatch counts, and each activation checkpointing mode, as :class:`SearchSpace` lists
 them. ``fixed`` pins any of these to one value (``{"tp": 2}``, ``{"pipeline_schedule": "1f1b"}``) and is checked
 first, with a message that names the value and the fix. :func:`rejection` then says why a candidate cannot run:
@@ -23,7 +24,7 @@ from lightning_par3d.config.schedules import LOOP_SCHEDULES, SCHEDULE_NAMES, V_S
 from lightning_par3d.distributed.locality import tp_across_nodes
 
 SIZE_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-FIXED_KEYS = (*SIZE_KEYS, "dp", "zero_stage", "pipeline_schedule", "virtual_stages", "microbatches",
+FIXED_KEYS = (*SIZE_KEYS, "dp", "ep", "zero_stage", "pipeline_schedule", "virtual_stages", "microbatches",
               "activation_checkpointing")  # fmt: skip
 """What ``fixed`` may pin."""
 
@@ -49,6 +50,10 @@ class SearchSpace:
     sliding window), else 1 alone. Activations per rank fall with ``cp`` while the keys and values each block
     gathers cost communication, so the cost model and the memory check choose: cp wins where the sequence makes
     activations dominate."""
+    expert_parallel: tuple[int, ...] | None = None
+    """Expert-parallel degrees tried, each where it divides ``dp_shard`` (1 included where it is wanted). ``None``:
+    for a mixture-of-experts model, 1 and every degree that divides its experts per layer; else 1 alone. The experts'
+    all-to-alls against FSDP2 gathering them whole: the cost model and the memory check choose."""
     prune_checkpointing: bool = True
     """Skip (list as rejected, with the reason) a checkpointing mode for a layout that fits without checkpointing:
     checkpointing only adds recompute there, so it is never the faster choice."""
@@ -63,7 +68,11 @@ class SearchSpace:
             wrong = [v for v in values if v not in allowed]
             if wrong or not values:
                 problems.append(f"{name}={values!r}: choose one or more of {', '.join(map(repr, allowed))}.")
-        degrees = (("context_parallel", self.context_parallel),) if self.context_parallel is not None else ()
+        degrees = tuple(
+            (name, values)
+            for name, values in (("context_parallel", self.context_parallel), ("expert_parallel", self.expert_parallel))
+            if values is not None
+        )
         for name, values in (
             *degrees,
             ("virtual_stages", self.virtual_stages),
@@ -110,7 +119,7 @@ def _fixed_problem(key: str, value: Any, world_size: int) -> str | None:
         return None
     if not _positive(value):
         return f"fixed[{key!r}]={value!r} must be a positive integer."
-    if key in (*SIZE_KEYS, "dp") and world_size % value:
+    if key in (*SIZE_KEYS, "dp", "ep") and world_size % value:
         return (
             f"fixed {key}={value} does not divide the world size {world_size}: every layout's sizes multiply to "
             f"{world_size}. Choose {key} among {divisors(world_size)}."
@@ -147,14 +156,18 @@ def _sizes(world_size: int, space: SearchSpace, fixed: Mapping[str, Any], option
                     dp_shard = dp // dp_replicate
                     if dp % dp_replicate or fixed.get("dp_shard", dp_shard) != dp_shard:
                         continue
-                    for stage in _zero_stages(dp_shard, cp, space, options):
-                        yield dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, dp=None,
-                                   zero_stage=stage)  # fmt: skip
+                    for ep in options("ep", space.expert_parallel or (1,)):
+                        if dp_shard % ep or (ep > 1 and cp > 1):  # experts split over dp_shard; not over cp yet
+                            continue
+                        for stage in _zero_stages(dp_shard, max(cp, ep), space, options):
+                            yield dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, tp=tp,
+                                       dp=None, zero_stage=stage)  # fmt: skip
 
 
-def _zero_stages(dp_shard: int, cp: int, space: SearchSpace, options: Any) -> list[int | None]:
-    """ZeRO stages over ``dp_shard > 1``; none for replication; FSDP2's alone (``None``: the default) under cp."""
-    if cp > 1:
+def _zero_stages(dp_shard: int, split: int, space: SearchSpace, options: Any) -> list[int | None]:
+    """ZeRO stages over ``dp_shard > 1``; none for replication; FSDP2's alone (``None``: the default) under cp or
+    ep (``split > 1``)."""
+    if split > 1:
         return [None] if 3 in options("zero_stage", (3,)) else []
     return [zero if dp_shard > 1 or zero != 0 else None
             for zero in options("zero_stage", space.zero_stages if dp_shard > 1 else (0,))]  # fmt: skip

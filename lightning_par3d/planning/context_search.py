@@ -18,7 +18,7 @@ token mean without expert parallelism.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -32,16 +32,15 @@ def context_degrees(world_size: int, seq_len: int) -> tuple[int, ...]:
     return tuple(c for c in divisors(world_size) if c > 1 and seq_len % (2 * c) == 0)
 
 
-def context_refusal(module: nn.Module | Callable[[], nn.Module], base: Par3DConfig) -> str | None:
-    """Why no context-parallel layout of ``module`` can run with the base configuration, or None."""
+def context_refusal(root: nn.Module, base: Par3DConfig) -> str | None:
+    """Why no context-parallel layout of ``root`` (a built model) can run with the base configuration, or None."""
     from lightning_par3d.parallel.context_parallel import context_problem
-    from lightning_par3d.planning.probe import build_meta
 
     if base.loss_mean != "tokens":
         return f"loss_mean={base.loss_mean!r}: cp > 1 weighs its ranks' token slices by the token mean only"
     if base.ep != 1:
         return f"ep={base.ep}: experts are not split over context-parallel ranks yet"
-    return context_problem(build_meta(module))
+    return context_problem(root)
 
 
 def context_may_pay(rows: Sequence[PlanRow]) -> tuple[str | None, str]:

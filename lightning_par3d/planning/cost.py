@@ -45,6 +45,15 @@ the gathers again in backward for a block that ``full`` or ``selective`` checkpo
 collectives inside the layers, on the critical path as tensor parallelism's are, and share its bucket (``tp_comm``:
 the bottleneck report measures torch's functional collectives there too).
 
+**Expert parallelism**, per microbatch: each block whose experts ``ep`` ranks split sends its token rows (``ρ_e``
+bytes per sample: one row per token and choice, from the probe) to the ranks holding their experts and back:
+``2 · all_to_all(ρ_e·b, e) + (e−1)·α`` in forward (the rows there and back, after the counts per expert), the two
+all-to-alls again in backward (the gradients), and the forward's again where checkpointing recomputes the block
+(``all_to_all(S, n)``: an all-gather's time for a buffer of ``S`` bytes, times the link's calibrated factor). Routing
+is taken as balanced, so each rank computes as much expert work as without ep. These share the ``tp_comm`` bucket
+too. In the FSDP2 formulas below, a unit's experts are their own unit: ``1/e`` of their elements on the rank, sharded
+over the ``N/e`` ranks that hold the same experts (``expert_shard``).
+
 **Issuing a collective** costs its rank ``COLLECTIVE_CPU_OPS`` ops of CPU time (the call, copies into and out of the
 communication buffer, the wait), ``COLLECTIVE_CPU_OPS · o``, which nothing overlaps; every tensor- and data-parallel
 collective pays it, in its own bucket (a pipeline send, in the transfer time).
@@ -92,6 +101,7 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.locality import spans_nodes
@@ -165,12 +175,20 @@ def reduce_scatter(size: float, n: int, link: Link) -> float:
     return link.reduce_scatter_factor * all_gather(size, n, link)
 
 
+def all_to_all(size: float, n: int, link: Link) -> float:
+    """An all-to-all of a ``size``-byte buffer per rank over ``n`` ranks (``(n−1)/n`` of it leaves each rank): an
+    all-gather's time, times the link's measured :attr:`~lightning_par3d.planning.machine.Link.all_to_all_factor`."""
+    return link.all_to_all_factor * all_gather(size, n, link)
+
+
 def send(size: float, link: Link) -> float:
     """A point-to-point transfer of ``size`` bytes."""
     return link.latency_s + size / link.bandwidth if size > 0 else 0.0
 
 
-COLLECTIVES = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
+COLLECTIVES = {
+    "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_to_all": all_to_all,
+}  # fmt: skip
 
 
 def buckets(size: float, cap: float = BUCKET_BYTES) -> list[float]:
@@ -191,7 +209,7 @@ def bucketed(kind: str, size: float, n: int, link: Link) -> list[float]:
 
 def group_link(layout: Layout, group: str, machine: Machine, devices_per_node: int) -> Link:
     """The link ``group``'s collectives run over."""
-    crossing = spans_nodes(layout.shape, group, devices_per_node, layout.cp)
+    crossing = spans_nodes(layout.shape, group, devices_per_node, layout.cp, layout.ep)
     return machine.inter_node if crossing else machine.intra_node
 
 
@@ -245,6 +263,7 @@ def stage_cost(
     precision: str,
     tp_link: Link,
     cp_link: Link | None = None,
+    ep_link: Link | None = None,
 ) -> StageCost:
     """The stage's forward and backward for one microbatch of ``samples`` (see the module docstring)."""
     throughput, t = machine.flops_for(precision), layout.tp * layout.cp  # FLOPs split over tp and over cp
@@ -266,6 +285,11 @@ def stage_cost(
         assert cp_link is not None
         cp_fwd, cp_bwd = _context_collectives(work, layout.cp, samples * scale, [] if op_level else redo, cp_link,
                                               launch)  # fmt: skip
+    if layout.ep > 1:
+        assert ep_link is not None
+        ep_fwd, ep_bwd = _expert_collectives(work, layout.ep, samples * scale, [] if op_level else redo, ep_link,
+                                             launch)  # fmt: skip
+        cp_fwd, cp_bwd = cp_fwd + ep_fwd, cp_bwd + ep_bwd
     fwd_tp = bwd_tp = step_tp = 0.0
     if layout.tp > 1:
         modules = len({c.module for c in work.tp})
@@ -284,6 +308,24 @@ def stage_cost(
             flops, work.backward_ops, machine, throughput
         )
     return StageCost(forward, fwd_tp + cp_fwd, backward, bwd_tp + cp_bwd, step_tp, split)
+
+
+def _expert_collectives(
+    work: StageWork, ep: int, samples: float, recomputed: list[int], link: Link, launch: float
+) -> tuple[float, float]:
+    """Forward and backward time of the blocks' token all-to-alls over ``ep`` ranks, for ``samples`` (at the run's
+    activation dtype): see the module docstring."""
+    forward = backward = 0.0
+    for b, routed in enumerate(work.block_routed_bytes):
+        if routed <= 0:
+            continue
+        counts = (ep - 1) * link.latency_s + launch  # the counts per expert first: latency alone
+        exchange = 2 * (all_to_all(routed * samples, ep, link) + launch) + counts
+        forward += exchange
+        backward += exchange - counts  # the gradients go back the same way, by the counts already known
+        if b in recomputed:
+            backward += exchange
+    return forward, backward
 
 
 def _tensor_collectives(
@@ -343,14 +385,11 @@ def data_parallel_collectives(
     layout: Layout, params: list[StageParams], precision: str, machine: Machine, devices_per_node: int
 ) -> list[float]:
     """Each data-parallel collective one rank of this pipeline position runs per step (seconds each)."""
-    from lightning_par3d.parallel.precision import fsdp_mixed_precision
-
     if layout.dp_cp == 1:
         return []
-    _, units, _ = _elements(params)
-    trained, trained_units, _ = _trained(params)
+    trained = _trained(params)[0]
     p = g = element_bytes(precision).param
-    N, R, m = layout.shard_ranks, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
+    N, R = layout.shard_ranks, layout.dp_replicate
     link = functools.partial(group_link, layout, machine=machine, devices_per_node=devices_per_node)
     engine = layout.data_parallel
     if engine == "ddp":
@@ -361,11 +400,22 @@ def data_parallel_collectives(
             return bucketed("all_reduce", trained * g, R * N, link("dp")) + gather
         scatter = bucketed("reduce_scatter", trained * g, N, link("dp_shard"))
         return scatter + bucketed("all_reduce", trained * g / N, R, link("dp_replicate")) + gather
-    # FSDP2
+    return _fsdp_collectives(layout, params, precision, link)
+
+
+def _fsdp_collectives(layout: Layout, params: list[StageParams], precision: str, link: Any) -> list[float]:
+    """FSDP2's collectives per step (see the module docstring); ``link(group)`` is the group's link."""
+    from lightning_par3d.parallel.precision import fsdp_mixed_precision
+
+    _, units, _ = _elements(params)
+    trained, trained_units, _ = _trained(params)
+    p = g = element_bytes(precision).param
+    N, R, m = layout.shard_ranks, layout.dp_replicate, layout.microbatches if layout.pp > 1 else 1
     mixed = fsdp_mixed_precision(precision) is not None
     gather_b, reduce_b = (2 if mixed else p), (4 if mixed else g)
     if N == 1:
         return [all_reduce(trained * reduce_b, R, link("dp_replicate"))]
+    experts = [e for p in params for e in (p.expert_units or ((0, 0),) * len(p.units))]
     times = []
     for i, (unit, unit_trained) in enumerate(zip(units, trained_units, strict=True)):
         root = i == len(units) - 1
@@ -373,10 +423,16 @@ def data_parallel_collectives(
             gathers = 1 if root or not layout.reshard_after_forward else 2
         else:
             gathers = 2 * m if layout.reshard_after_forward and not root else 1
-        times += [all_gather(unit * gather_b, N, link("dp_shard"))] * gathers
-        times.append(reduce_scatter(unit_trained * reduce_b, N, link("dp_shard")))
-        if R > 1:
-            times.append(all_reduce(unit_trained * reduce_b / N, R, link("dp_replicate")))
+        shards: list[tuple[float, float, int, str]] = [(unit, unit_trained, N, "dp_shard")]
+        if layout.ep > 1:  # the experts: 1/ep of them on the rank, their own FSDP2 unit over dp_shard / ep ranks
+            expert, expert_trained = experts[i]
+            shards = [(unit - expert, unit_trained - expert_trained, N, "dp_shard"),
+                      (expert / layout.ep, expert_trained / layout.ep, N // layout.ep, "expert_shard")]  # fmt: skip
+        for elements, trained_elements, n, group in shards:
+            times += [all_gather(elements * gather_b, n, link(group))] * gathers
+            times.append(reduce_scatter(trained_elements * reduce_b, n, link(group)))
+            if R > 1:
+                times.append(all_reduce(trained_elements * reduce_b / n, R, link("dp_replicate")))
     return [t for t in times if t > 0]
 
 
@@ -418,7 +474,8 @@ def predict_step(
     samples = rank_batch / m
     tp_link = group_link(layout, "tp", machine, devices_per_node)
     cp_link = group_link(layout, "cp", machine, devices_per_node) if layout.cp > 1 else None
-    costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link, cp_link) for w in works]
+    ep_link = group_link(layout, "ep", machine, devices_per_node) if layout.ep > 1 else None
+    costs = [stage_cost(w, config, layout, samples, machine, precision, tp_link, cp_link, ep_link) for w in works]
     counts, splits = {0: 0}, {0: 0.0}
     if layout.pp == 1:
         ends = {0: costs[0].forward + costs[0].backward}

@@ -50,13 +50,16 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class Link:
     """A link's cost for the ring algorithms: ``latency_s`` (α) per step, ``bandwidth`` (β) in bytes per second
-    per device, each way, and the measured :attr:`reduce_scatter_factor` (ρ)."""
+    per device, each way, and the measured :attr:`reduce_scatter_factor` (ρ) and :attr:`all_to_all_factor`."""
 
     latency_s: float
     bandwidth: float
     reduce_scatter_factor: float = 1.0
     """A reduce-scatter's time over an all-gather's of the same size (the ring formulas give both the same: NCCL
     runs them so; gloo's reduce-scatter costs several all-gathers on CPU cores), measured by a calibration."""
+    all_to_all_factor: float = 1.0
+    """An all-to-all's time over an all-gather's whose output is the all-to-all's buffer (both move ``(n−1)/n`` of
+    it per rank; NCCL's pairwise exchange runs at the ring's pace), measured by a calibration."""
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0 or not self.bandwidth > 0:
@@ -133,6 +136,11 @@ class Machine:
             + (
                 f"; reduce-scatter ×{self.intra_node.reduce_scatter_factor:.2g} an all-gather"
                 if self.intra_node.reduce_scatter_factor != 1.0
+                else ""
+            )
+            + (
+                f"; all-to-all ×{self.intra_node.all_to_all_factor:.2g} an all-gather"
+                if self.intra_node.all_to_all_factor != 1.0
                 else ""
             )
             + (f"; {self.pipeline_action_s * 1e3:.2g} ms per pipeline action" if self.pipeline_action_s else "")

@@ -10,7 +10,8 @@ For each candidate of :mod:`~lightning_par3d.planning.candidates`, in order, the
 3. its memory (:mod:`~lightning_par3d.planning.candidate_memory`: :func:`~lightning_par3d.estimate_memory`'s
    figures) is more than ``device_memory`` on some rank.
 
-Context-parallel layouts are searched after the others, where these leave activations dominant
+Expert-parallel degrees are searched for a model with experts (:mod:`~lightning_par3d.planning.expert_search`);
+context-parallel layouts after the others, where these leave activations dominant
 (:mod:`~lightning_par3d.planning.context_search`).
 
 Every candidate that gets as far as its memory also gets a predicted step (:mod:`~lightning_par3d.planning.cost`).
@@ -32,8 +33,16 @@ from lightning_par3d.planning.candidate_memory import MemoryModel
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
 from lightning_par3d.planning.context_search import context_degrees, context_may_pay, context_refusal
 from lightning_par3d.planning.cost import StepTime, predict_step
+from lightning_par3d.planning.expert_search import expert_degrees
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
-from lightning_par3d.planning.probe import StageParams, StageWork, probe_layout, stage_params, stage_work
+from lightning_par3d.planning.probe import (
+    StageParams,
+    StageWork,
+    build_meta,
+    probe_layout,
+    stage_params,
+    stage_work,
+)
 from lightning_par3d.planning.table import PlanRow, PlanTable
 
 DEFAULT_MACHINE = "h100-sxm-8"
@@ -91,12 +100,17 @@ def plan(
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
     notes = []
     with keep_excepthook(), garbage_kept():
-        later = setup.search.context_parallel is None and "cp" not in setup.fixed  # searched where it may pay
-        first = dataclasses.replace(setup.search, context_parallel=(1,)) if later else setup.search
+        space = setup.search
+        if space.expert_parallel is None:
+            experts, expert_note = expert_degrees(probes.root(), world_size)
+            space = dataclasses.replace(space, expert_parallel=experts)
+            notes += [expert_note] if expert_note else []
+        later = space.context_parallel is None and "cp" not in setup.fixed  # searched where it may pay
+        first = dataclasses.replace(space, context_parallel=(1,)) if later else space
         rows = _search(first, setup, probes, memory)
         if later:
-            more, note = _context_rows(module, setup, probes, memory, rows)
-            rows, notes = rows + more, [note]
+            more, note = _context_rows(setup, probes, memory, rows, space)
+            rows, notes = rows + more, [*notes, note]
     table = PlanTable(
         rows,
         world_size,
@@ -131,9 +145,8 @@ def _search(space: SearchSpace, setup: _Setup, probes: _Probes, memory: MemoryMo
 
 
 def _context_rows(
-    module: nn.Module | Callable[[], nn.Module], setup: _Setup, probes: _Probes, memory: MemoryModel,
-    rows: list[PlanRow],
-) -> tuple[list[PlanRow], str]:  # fmt: skip
+    setup: _Setup, probes: _Probes, memory: MemoryModel, rows: list[PlanRow], space: SearchSpace
+) -> tuple[list[PlanRow], str]:
     """The context-parallel layouts' rows where activations dominate without them (:mod:`~lightning_par3d.
     planning.context_search`), and the table's note on why they were searched or not."""
     degrees = context_degrees(setup.world_size, setup.seq_len)
@@ -148,10 +161,10 @@ def _context_rows(
             f"(cp > 1 not searched: {why_not}. SearchSpace(context_parallel=(1, 2)) or fixed={{'cp': 2}} searches "
             "it anyway.)"
         )
-    refusal = context_refusal(module, setup.base)
+    refusal = context_refusal(probes.root(), setup.base)
     if refusal is not None:
         return [], f"(cp > 1 not searched although {why}: {refusal})"
-    space = dataclasses.replace(setup.search, context_parallel=degrees)
+    space = dataclasses.replace(space, context_parallel=degrees, expert_parallel=(1,))  # ep × cp: not yet
     return _search(space, setup, probes, memory), f"(cp = {', '.join(map(str, degrees))} searched too: {why}.)"
 
 
@@ -366,6 +379,13 @@ class _Probes:
         self.module, self.base, self.seq_len, self.precision, self.loss_fn = module, base, seq_len, precision, loss_fn
         self._work: dict[tuple[int, int], list[StageWork] | str] = {}
         self._params: dict[tuple[int, int, int], list[StageParams] | str] = {}
+        self._root: nn.Module | None = None
+
+    def root(self) -> nn.Module:
+        """The model, built once on the meta device (what the searches of cp and ep look at)."""
+        if self._root is None:
+            self._root = build_meta(self.module)
+        return self._root
 
     def problem(self, layout: Layout) -> str | None:
         """Why the model cannot take this layout's stages and tp (par3d's own message), or None."""

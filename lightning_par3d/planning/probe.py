@@ -39,6 +39,7 @@ from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.config.tp_vocabulary import canonical
 from lightning_par3d.parallel.context_parallel import kv_ratio_of
 from lightning_par3d.utils.patterns import find_transformers_model
+from lightning_par3d.utils.torch_private import fp32_grouped_mm_on_fake
 
 PROBE_BATCH = 2
 """Samples per probe run; FLOPs and bytes are divided by it (per sample)."""
@@ -134,6 +135,9 @@ class StageWork:
     block_kv_bytes: tuple[float, ...] = ()
     """Per block, per sample: the keys and values its attention reads over the whole sequence, at the element size
     as built (under ``cp > 1``, what each block's all-gathers return)."""
+    block_routed_bytes: tuple[float, ...] = ()
+    """Per block, per sample: the token rows its experts receive, one per (token, choice) pair, at the element size
+    as built (under ``ep > 1``, what each all-to-all of the dispatch, and of the combine, sends)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ class StageParams:
     """Per shape: a frozen parameter (``requires_grad=False``: no gradient, no optimizer state); empty: none."""
     trained_units: tuple[int, ...] | None = None
     """The trained elements of each unit (what its gradient collectives move); None: every element."""
+    expert_units: tuple[tuple[int, int], ...] = ()
+    """Per unit, its elements that are experts (a mixture-of-experts model's, which ``ep > 1`` splits) and those of
+    them that train; empty: none."""
 
     @property
     def elements(self) -> int:
@@ -273,6 +280,37 @@ class _AttentionBytes(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _RoutedBytes:
+    """Adds up the token rows the modules of experts receive: ``forward(hidden_states, top_k_index, ...)``."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.bytes = 0
+        self._hooks = [m.register_forward_pre_hook(self._count) for m in modules]
+
+    def _count(self, _m: nn.Module, args: Any) -> None:
+        hidden, index = (*args, None, None)[:2]
+        if isinstance(hidden, Tensor) and isinstance(index, Tensor):
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            self.bytes += rows.shape[0] * index.shape[-1] * rows.shape[1] * rows.element_size()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _expert_modules(root: nn.Module, part: nn.Module) -> list[nn.Module]:
+    """The modules of experts in ``part`` (a stage of ``root``), as expert parallelism finds them; none for a model
+    without an expert-parallel plan."""
+    from lightning_par3d.parallel.expert_parallel import DISPATCH_STYLE, expert_plan, find_experts
+
+    if DISPATCH_STYLE not in expert_plan(root).values():
+        return []
+    try:
+        return find_experts(root, 1).modules_in(part)
+    except ValueError:
+        return []
+
+
 def count_ops(run: Callable[[], Any]) -> tuple[Any, int]:
     """``run()``'s result and the aten ops it dispatched."""
     counter = _OpCounter()
@@ -314,18 +352,20 @@ def stage_work(
         inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
         run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
         sizes: dict[str, tuple[int, int]] = {}
-        per_block: list[tuple[float, int, int, int]] = []
+        per_block: list[tuple[float, int, int, int, int]] = []
         forward = FlopCounterMode(display=False)
         counter = _OpCounter()
         attention = _AttentionBytes(kv_ratio_of(found[1]) if (found := find_transformers_model(parts.root)) else 1)
-        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter, attention)
-        with _quiet(), forward, counter, attention:
+        routed = _RoutedBytes(_expert_modules(parts.root, part))
+        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter, attention, routed)
+        with _quiet(), forward, counter, attention, fp32_grouped_mm_on_fake():
             output, loss = run()
         for hook in hooks:
             hook.remove()
+        routed.remove()
         backward = FlopCounterMode(display=False)
         back_counter = _OpCounter()
-        with _quiet(), backward, back_counter:
+        with _quiet(), backward, back_counter, fp32_grouped_mm_on_fake():
             (loss if loss is not None else output).backward(None if loss is not None else torch.ones_like(output))
         element = output.element_size() if isinstance(output, Tensor) else 4
         works.append(
@@ -335,10 +375,11 @@ def stage_work(
                 backward_flops=backward.get_total_flops() / PROBE_BATCH,
                 forward_ops=counter.ops,
                 backward_ops=back_counter.ops,
-                block_forward_flops=tuple(f / PROBE_BATCH for f, _, _, _ in per_block),
-                block_forward_ops=tuple(o for _, o, _, _ in per_block),
-                block_cheap_ops=tuple(c for _, _, c, _ in per_block),
-                block_kv_bytes=tuple(kv / PROBE_BATCH for _, _, _, kv in per_block),
+                block_forward_flops=tuple(b[0] / PROBE_BATCH for b in per_block),
+                block_forward_ops=tuple(b[1] for b in per_block),
+                block_cheap_ops=tuple(b[2] for b in per_block),
+                block_kv_bytes=tuple(b[3] / PROBE_BATCH for b in per_block),
+                block_routed_bytes=tuple(b[4] / PROBE_BATCH for b in per_block),
                 tp=_tp_collectives(part, names, sizes, blocks),
                 output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
                 activation_element_bytes=element,
@@ -402,26 +443,27 @@ def _size_hooks(part: nn.Module, names: dict[str, str], sizes: dict[str, tuple[i
 
 def _block_hooks(
     blocks: list[nn.Module],
-    per_block: list[tuple[float, int, int, int]],
+    per_block: list[tuple[float, int, int, int, int]],
     flops: Any,
     counter: _OpCounter,
     attention: _AttentionBytes,
+    routed: _RoutedBytes,
 ) -> list[Any]:
-    """Hooks recording each block's forward FLOPs, ops, ops without FLOPs and attention's key and value bytes, read
-    from the running counters."""
+    """Hooks recording each block's forward FLOPs, ops, ops without FLOPs, attention's key and value bytes and the
+    token rows routed to its experts, read from the running counters."""
     hooks = []
-    started: list[tuple[float, int, int, int]] = []  # a stack: blocks may nest
+    started: list[tuple[float, int, int, int, int]] = []  # a stack: blocks may nest
 
-    def totals() -> tuple[float, int, int, int]:
-        return float(flops.get_total_flops()), counter.ops, counter.cheap, attention.bytes
+    def totals() -> tuple[float, int, int, int, int]:
+        return float(flops.get_total_flops()), counter.ops, counter.cheap, attention.bytes, routed.bytes
 
     def before(_m: nn.Module, _a: Any) -> None:
         started.append(totals())
 
     def after(_m: nn.Module, _a: Any, _o: Any) -> None:
         start, end = started.pop(), totals()
-        f, o, c, kv = (b - a for a, b in zip(start, end, strict=True))
-        per_block.append((float(f), int(o), int(c), int(kv)))
+        f, o, c, kv, r = (b - a for a, b in zip(start, end, strict=True))
+        per_block.append((float(f), int(o), int(c), int(kv), int(r)))
 
     for block in blocks:
         hooks += [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
@@ -485,14 +527,18 @@ def stage_params(
         params = list(part.parameters())
         shapes = tuple(tuple(local_tensor(p).shape) for p in params)
         frozen = tuple(not p.requires_grad for p in params)
+        experts = {id(p) for m in _expert_modules(parts.root, part) for p in m.parameters()}
         seen: set[int] = set()
-        units, trained = [], []
+        units, trained, expert_units = [], [], []
         for group in [*(block.parameters() for block in parts.blocks[s]), iter(params)]:
-            elements, with_grads = _elements(group, seen)
+            members = [p for p in group if id(p) not in seen]
+            expert_units.append(_elements(iter(p for p in members if id(p) in experts), set()))
+            elements, with_grads = _elements(iter(members), seen)
             units.append(elements)
             trained.append(with_grads)
         trained_units = tuple(trained) if any(frozen) else None
-        result.append(StageParams(s, shapes, tuple(units), len(params), frozen, trained_units))
+        found = tuple(expert_units) if any(e for e, _ in expert_units) else ()
+        result.append(StageParams(s, shapes, tuple(units), len(params), frozen, trained_units, found))
     return result
 
 

@@ -52,9 +52,9 @@ class PlanRow:
         c = self.config
         layout = self.layout
         sizes = (
-            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}{_cp(layout.cp)}·tp{layout.tp}"
+            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}{_within(layout, '·')}·tp{layout.tp}"
             if layout is not None
-            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}{_cp(c.cp)}·tp{c.tp}"
+            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}{_within(c, '·')}·tp{c.tp}"
         )
         parts = [sizes, f"z{_zero(self)}"]
         if c.pp > 1:
@@ -74,8 +74,7 @@ class PlanRow:
         if layout is not None:
             args.update(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
             args["zero_stage"] = layout.zero
-            if layout.cp > 1:
-                args["cp"] = layout.cp
+            args.update({name: getattr(layout, name) for name in ("cp", "ep") if getattr(layout, name) > 1})
         if c.pp > 1:
             args.update(pipeline_schedule=c.pipeline_schedule, microbatches=c.microbatches)
             if c.virtual_stages != 1:
@@ -85,8 +84,12 @@ class PlanRow:
         return args
 
 
-def _cp(cp: int) -> str:
-    return f"·cp{cp}" if cp > 1 else ""
+def _within(source: Any, separator: str) -> str:
+    """The context- and expert-parallel degrees of a layout (or a configuration), where above 1."""
+    sizes = [(name, getattr(source, name)) for name in ("cp", "ep") if getattr(source, name) > 1]
+    if separator == "·":
+        return "".join(f"·{name}{size}" for name, size in sizes)
+    return "".join(f" × {name}={size}" for name, size in sizes)
 
 
 def _zero(row: PlanRow) -> int:
@@ -304,8 +307,8 @@ def _rate(per_s: float | None) -> str:
 
 def _sizes(row: PlanRow) -> str:
     source = row.layout if row.layout is not None else row.config
-    cp = f" × cp={source.cp}" if source.cp > 1 else ""
-    return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard}{cp} × tp={source.tp}"
+    within = _within(source, " × ")
+    return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard}{within} × tp={source.tp}"
 
 
 def _zero_text(row: PlanRow) -> str:

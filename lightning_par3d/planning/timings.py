@@ -12,7 +12,8 @@ same time as the others (so that processes sharing cores measure their share), a
   and as its zero-bubble schedules split it (``stage_backward_input``, then ``stage_backward_weight``), the
   difference over the backward's aten ops;
 * **memory bandwidth**: copies of a 16 MiB tensor (each reads and writes it);
-* **collectives**: all-reduce, all-gather and reduce-scatter of :data:`COLLECTIVE_SIZES` (the median of a few);
+* **collectives**: all-reduce, all-gather, reduce-scatter and all-to-all of :data:`COLLECTIVE_SIZES` (the median of
+  a few);
 * **a pipeline step**: torch's ``Schedule1F1B`` over pairs of ranks (the whole world where it is odd), each stage a
   tiny ``Linear``, :data:`PIPELINE_MICROBATCHES` microbatches.
 
@@ -56,7 +57,7 @@ def measure(n: int, device: torch.device, seconds: float, mesh: Any, groups: Any
         "memory_bandwidth": _slowest(_memory_bandwidth(device, seconds / 2), device, minimum=True),
     }
     collectives = []
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         for size in COLLECTIVE_SIZES:
             collectives.append((kind, float(size), _slowest(_collective_seconds(kind, size, n, device), device)))
     pp, step_s, stage_ops = _pipeline_step(n, device, groups)
@@ -285,6 +286,13 @@ def _collective_seconds(kind: str, size: int, n: int, device: torch.device, repe
 
         def run() -> None:
             scatter(mine, flat)
+
+    elif kind == "all_to_all":  # as expert parallelism sends its tokens: one buffer, a chunk to each rank
+        send_buffer = torch.zeros(size // 4 // n * n, dtype=torch.float32, device=device)
+        received = torch.empty_like(send_buffer)
+
+        def run() -> None:
+            dist.all_to_all_single(received, send_buffer)
 
     else:
         chunk = torch.zeros(size // 4 // n, dtype=torch.float32, device=device)

@@ -263,3 +263,35 @@ def compile_options_of(compiled: Any) -> dict[str, Any]:
     while hasattr(backend, "_torchdynamo_orig_backend"):  # torch's debugging and frame-conversion wrappers
         backend = backend._torchdynamo_orig_backend
     return {"backend": backend, "fullgraph": bool(context.fullgraph), "dynamic": context._dynamic}
+
+
+class _Fp32GroupedMMShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Gives ``aten._grouped_mm`` of fp32 fake or meta tensors its output, shaped as torch's meta kernel shapes it
+    (``_create_grouped_mm_output_tensor``), in fp32 as the CPU kernel gives it."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and _fp32_without_storage(args[:2]):
+            a, b = args[:2]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            if a.dim() == 2:
+                shape = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+            else:
+                shape = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
+            dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or torch.float32
+            return torch.empty(shape, dtype=dtype, device=a.device)
+        return func(*args, **kwargs)
+
+
+def _fp32_without_storage(tensors: Any) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and (t.is_meta or is_fake(t)) for t in tensors)
+
+
+@contextlib.contextmanager
+def fp32_grouped_mm_on_fake() -> Iterator[None]:
+    """Lets fake and meta tensors run ``torch._grouped_mm`` in fp32, which the CPU kernel runs (transformers'
+    mixture-of-experts layers call it) and torch 2.13's meta registration refuses ("Expected inputs of BF16 type"):
+    what the memory estimator and the planner's probe need to run such a model as a fp32 run does. Below autograd, so
+    autograd saves the fp32 inputs, as in the run."""
+    with _Fp32GroupedMMShapes():
+        yield
