@@ -171,6 +171,7 @@ class DistPool:
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"par3d-pool{world_size}-"))
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
+        self._log_starts: dict[int, int] = {}
 
     def _start(self) -> None:
         ctx = _context()
@@ -191,6 +192,7 @@ class DistPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
+        self._log_starts = {r: self._log_size(r) for r in range(self.world_size)}
         for inbox in self._inboxes:
             inbox.put((fn, kwargs))
         outcomes = self._collect(timeout)
@@ -238,8 +240,19 @@ class DistPool:
         return self.log_tail(rank, chars=8000)
 
     def log_tail(self, rank: int, chars: int = 4000) -> str:
+        """The last ``chars`` of what ``rank`` logged during the last :meth:`run` (a long-lived worker's log holds
+        the jobs of earlier tests too, which a test must not read as its own)."""
         path = self.log_dir / f"rank{rank}.log"
-        return f"{path}:\n{path.read_text(errors='replace')[-chars:]}" if path.exists() else f"{path}: no log"
+        if not path.exists():
+            return f"{path}: no log"
+        with path.open("rb") as log:
+            log.seek(self._log_starts.get(rank, 0))
+            text = log.read().decode(errors="replace")
+        return f"{path}:\n{text[-chars:]}"
+
+    def _log_size(self, rank: int) -> int:
+        path = self.log_dir / f"rank{rank}.log"
+        return path.stat().st_size if path.exists() else 0
 
     def close(self) -> None:
         for inbox in self._inboxes:
