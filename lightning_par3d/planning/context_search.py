@@ -1,14 +1,14 @@
 """When a plan searches context-parallel layouts, and at which degrees.
 
 Context parallelism (``cp``) splits every row's tokens over ``cp`` ranks: activations per rank fall by ``cp``, every
-block all-gathers its keys and values, and the parameters are sharded over ``dp_shard × cp``. Against data
-parallelism over the same ranks it computes as much per rank and only adds communication, so it wins only where the
-sequence makes activations dominate a rank's memory and the batch cannot take more data-parallel ranks: where the
-plan without it fits nothing, or where its fastest layout splits the model (pp, tp), recomputes or accumulates while
-holding more activations than model state (:func:`context_may_pay`). There the plan
-searches again with ``cp > 1`` (``SearchSpace(context_parallel=None)``, the default), and both searches' rows share
-one table, ranked by the cost model and the memory check as every other layout. The table's notes say which way it
-went, and why.
+block all-gathers its keys and values, and the parameters are sharded over ``dp_shard × cp``. Against data parallelism
+over the same ranks it computes as much per rank and only adds communication, so it wins only where the sequence makes
+activations dominate a rank's memory below one row: where the plan without it fits nothing, or where its fastest layout
+takes one row per microbatch and still splits the model (pp, tp), recomputes or accumulates while holding more
+activations than model state (:func:`context_may_pay`); above one row, more data-parallel ranks, microbatches or
+accumulation cut activations without cp's gathers. There the plan searches again with ``cp > 1``
+(``SearchSpace(context_parallel=None)``, the default), and both searches' rows share one table, ranked by the cost model
+and the memory check as every other layout. The table's notes say which way it went, and why.
 
 ``cp > 1`` is searched only at degrees whose ``2·cp`` divides the sequence (load-balanced chunks), and only for a
 model par3d can split (:func:`~lightning_par3d.parallel.context_parallel.context_problem`: a trunk whose attention
@@ -44,25 +44,35 @@ def context_refusal(root: nn.Module, base: Par3DConfig) -> str | None:
 
 
 def context_may_pay(rows: Sequence[PlanRow]) -> tuple[str | None, str]:
-    """``(why cp may pay, None)`` or ``(None, why not)``, from the plan's rows without context parallelism: it may
-    where nothing fits, or where the fastest layout splits the model (pp, tp), checkpoints activations or
-    accumulates batches while holding more activations than model state on its fullest rank. Against the same
-    ranks given to data parallelism, cp computes as much per rank and adds its gathers, so a fastest layout that
-    splits only the batch stays."""
+    """``(why cp may pay, "")`` or ``(None, why not)``, from the plan's rows without context parallelism. Where a
+    rank holds more than one row per microbatch, more data-parallel ranks, microbatches or accumulated batches cut
+    its activations as cp would, without cp's gathers; cp is the only cut below one row. So it may pay where nothing
+    fits, or where the fastest layout takes one row per microbatch and still splits the model (pp, tp), recomputes
+    or accumulates to fit, holding more activations than model state on its fullest rank."""
     fitting = sorted((row for row in rows if row.fits), key=rank_key)
     if not fitting:
         return "no layout without it fits", ""
     best = fitting[0]
-    assert best.memory is not None and best.layout is not None
+    assert best.memory is not None and best.layout is not None and best.rank_batch is not None
     name = f"the fastest layout without it, {best.describe()},"
     if (best.layout.pp, best.layout.tp, best.accumulate, best.config.activation_checkpointing) == (1, 1, 1, "none"):
         return None, f"{name} splits only the batch, and cp over the same ranks would compute as much and add gathers"
+    per_microbatch = best.rank_batch // (best.layout.microbatches if best.layout.pp > 1 else 1)
+    if per_microbatch > 1:
+        return None, (
+            f"{name} holds {per_microbatch} rows per microbatch: more data-parallel ranks, microbatches or "
+            "accumulated batches cut its activations without cp's gathers"
+        )
     worst = max(best.memory.rows, key=lambda row: row.total)
     activations, state = worst.activations + worst.recompute, worst.state.total
     amounts = f"({_size(activations)} of activations against {_size(state)} of model state per rank)"
     if activations <= state:
         return None, f"{name} is mostly model state {amounts}, which cp splits no further than FSDP2 does"
-    return f"{name} splits the model or recomputes to fit, and its activations dominate {amounts}", ""
+    return (
+        f"{name} takes one row per microbatch and splits the model or recomputes to fit; its activations "
+        f"dominate {amounts}",
+        "",
+    )
 
 
 def _size(size: float) -> str:
