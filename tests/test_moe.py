@@ -142,6 +142,9 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         ("qwen3_moe", dict(dp_shard=4, ep=2, compile=True)),  # the routing runs eager between compiled parts
         # ep over the dp_shard ranks, each expert also cut over tp by the model's own plan (moe_tp_experts)
         ("qwen3_moe", dict(dp_shard=2, tp=2, ep=2, tp_plan="auto")),
+        # the experts split over the ranks of dp_shard × cp: each row's tokens cut over cp, routed to their experts
+        ("qwen3_moe", dict(dp_shard=2, cp=2, ep=4)),
+        ("qwen3_moe", dict(dp_shard=2, cp=2, ep=2)),
     ],
     ids=[
         "qwen3_moe-dp_shard4xep4",
@@ -150,6 +153,8 @@ def test_tp_that_does_not_divide_an_experts_hidden_size_is_refused_naming_it():
         "qwen3_moe-hsdp2x2xep2-full_ac",
         "qwen3_moe-dp_shard4xep2-compiled",
         "qwen3_moe-dp_shard2xtp2xep2",
+        "qwen3_moe-dp_shard2xcp2xep4",
+        "qwen3_moe-dp_shard2xcp2xep2",
     ],
 )
 def test_expert_parallel(pool4, name, strategy):
@@ -302,9 +307,14 @@ def router_loss_reference() -> dict:
 
 @pytest.mark.parametrize(
     "pool, strategy",
-    [(2, dict(dp_shard=2)), (4, dict(dp_shard=2, tp=2, tp_plan="auto")), (4, dict(dp_shard=4, ep=2))],
+    [
+        (2, dict(dp_shard=2)),
+        (4, dict(dp_shard=2, tp=2, tp_plan="auto")),
+        (4, dict(dp_shard=4, ep=2)),
+        (4, dict(dp_shard=2, cp=2, ep=2)),  # padded rows cut over cp: the counts summed over the dp × cp ranks
+    ],
     indirect=["pool"],
-    ids=["dp_shard2", "dp_shard2xtp2", "dp_shard4xep2"],
+    ids=["dp_shard2", "dp_shard2xtp2", "dp_shard4xep2", "dp_shard2xcp2xep2"],
 )
 def test_the_router_loss_is_the_global_batchs(pool, strategy):
     """The load-balancing loss is a product of two means over the global batch (padded rows masked out): each
@@ -317,9 +327,9 @@ def test_the_router_loss_is_the_global_batchs(pool, strategy):
 
 @pytest.mark.parametrize(
     "pool, strategy",
-    [(2, dict(dp_shard=2)), (4, dict(dp_shard=4, ep=2))],
+    [(2, dict(dp_shard=2)), (4, dict(dp_shard=4, ep=2)), (4, dict(dp_shard=2, cp=2, ep=2))],
     indirect=["pool"],
-    ids=["dp_shard2", "dp_shard4xep2"],
+    ids=["dp_shard2", "dp_shard4xep2", "dp_shard2xcp2xep2"],
 )
 def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, strategy):
     """With 2 batches per step the counts run over the window: its second batch is routed ahead at the first (one

@@ -32,7 +32,8 @@ class Layout:
     reshard_after_forward_setting: bool | None = None
     """The configured ``reshard_after_forward``; :attr:`reshard_after_forward` resolves its default."""
     ep: int = 1
-    """Expert-parallel degree: ranks of ``dp_shard`` that split the experts (no mesh dimension of its own)."""
+    """Expert-parallel degree: ranks of the mesh's ``dp_shard`` dimension (``dp_shard × cp``) that split the
+    experts (no mesh dimension of its own)."""
     cp: int = 1
     """Context-parallel degree: ranks that split each sequence. They read the same rows, so they add ranks but not
     data-parallel ones; in the mesh they sit inside the ``dp_shard`` dimension (:attr:`shard_ranks`), which FSDP2
@@ -51,8 +52,9 @@ class Layout:
 
     @property
     def expert_shard(self) -> int:
-        """The ``dp_shard`` ranks that hold the same experts, among which FSDP2 shards them: ``dp_shard / ep``."""
-        return self.dp_shard // self.ep
+        """The ranks of the mesh's ``dp_shard`` dimension that hold the same experts, among which FSDP2 shards them:
+        ``dp_shard × cp / ep``."""
+        return self.shard_ranks // self.ep
 
     @property
     def zero(self) -> int:

@@ -250,7 +250,6 @@ def _check_context_static(config: Par3DConfig, errors: _Errors) -> None:
         return
     cp = config.cp
     refusals = {
-        f"ep={config.ep}": (config.ep != 1, "experts are not split over context-parallel ranks yet: use ep=1"),
         f"loss_mean={config.loss_mean!r}": (config.loss_mean != "tokens", "each rank holds a slice of every row, and "
                                             "only the token mean weighs the slices as one process does: use "
                                             "loss_mean='tokens'"),
@@ -268,11 +267,12 @@ def _check_expert_layout(layout: Layout, errors: _Errors) -> None:
     ep = layout.ep
     if ep == 1:
         return
-    if layout.dp_shard % ep:
+    if layout.shard_ranks % ep:
+        within = f"dp_shard × cp = {layout.shard_ranks}" if layout.cp > 1 else f"dp_shard={layout.dp_shard}"
         errors.add(
-            f"ep={ep} splits the experts over ranks taken from dp_shard, but dp_shard={layout.dp_shard} is not a "
-            f"multiple of {ep} ({layout}). Make dp_shard a multiple of ep (e.g. dp_shard={ep * 2} or "
-            f"dp_shard={ep}), or choose an ep that divides dp_shard."
+            f"ep={ep} splits the experts over ranks taken from dp_shard{' × cp' if layout.cp > 1 else ''}, but "
+            f"{within} is not a multiple of {ep} ({layout}). Make dp_shard a multiple of ep (e.g. dp_shard={ep * 2} "
+            f"or dp_shard={ep}), or choose an ep that divides it."
         )
     elif layout.zero != 3:
         errors.add(

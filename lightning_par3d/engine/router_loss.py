@@ -13,7 +13,8 @@ and ``R`` (the routed pairs per expert and the rows, over the global batch) summ
 ``p_e`` each rank's own probability sums. Each rank's term is therefore ``dp · E · Σ_e c_e · p_e / R²``: the ranks'
 terms average to the global loss, and so do their gradients under the data-parallel mean. The sums ``c_e`` and ``R``
 are one all-reduce of ``E + 1`` numbers per step, over the data-parallel ranks (tensor-parallel ranks hold the same
-tokens).
+tokens; context-parallel ranks hold slices of the same rows, each counted with its part of the caller's mask, so the
+sums run over the ``dp × cp`` ranks).
 
 The model calls its module's ``load_balancing_loss_func`` by name inside its ``forward``; par3d's version stands in
 for it there, during that model's training forwards only (:func:`install`), and its local sums are checked once
@@ -50,6 +51,8 @@ from lightning_par3d.distributed.gather import map_tensors
 from lightning_par3d.utils.model_changes import set_attribute
 from lightning_par3d.utils.patterns import find_transformers_model
 
+_CALL_HOOK = "_par3d_router_call_hook"
+"""The attribute holding the handle of the pre-hook that records the model's call as given."""
 _ORIGINAL = "_par3d_model_forward"
 """The attribute of par3d's forward that holds the model's own (bound) one."""
 OWN_FUNCTION = "load_balancing_loss_func"
@@ -79,7 +82,11 @@ def install(
     if home is None or not callable(own):
         return False
     forward = getattr(model.forward, _ORIGINAL, model.forward)  # (not __wrapped__: transformers' decorators set it)
-    state = _GlobalRouterLoss(own, dp, dp_group, accumulation, window)
+    state = _GlobalRouterLoss(own, dp, dp_group, accumulation, window, _mask_of_slice(model))
+    previous = getattr(model, _CALL_HOOK, None)
+    if previous is not None:
+        previous.remove()
+    set_attribute(model, _CALL_HOOK, model.register_forward_pre_hook(state.record_call, prepend=True, with_kwargs=True))
 
     def global_loss_forward(*args: Any, **kwargs: Any) -> Any:
         if not (model.training and torch.is_grad_enabled()):
@@ -90,7 +97,7 @@ def install(
                 wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
             entry = window() if wanted and accumulation() > 1 else None
             if entry is not None and entry.index == 0:  # (the router's loss off: nothing to route ahead)
-                state.route_ahead(forward, args, kwargs, entry, prepare)
+                state.route_ahead(forward, args, kwargs, entry, prepare, _context_of(model))
             return forward(*args, **kwargs)
 
     setattr(global_loss_forward, _ORIGINAL, forward)
@@ -125,8 +132,12 @@ class _GlobalRouterLoss:
     term, ``w · dp · E · Σ_e c_e · p_e / R²`` (see the module docstring)."""
 
     def __init__(self, own: Callable[..., Any], dp: int, dp_group: Callable[[], Any], accumulation: Callable[[], int],
-                 window: Callable[[], Any]) -> None:  # fmt: skip
+                 window: Callable[[], Any], mask_of_slice: Callable[[Any], Any] = lambda m: m) -> None:  # fmt: skip
         self.own, self.dp, self.dp_group, self.accumulation, self.window = own, dp, dp_group, accumulation, window
+        self.mask_of_slice = mask_of_slice
+        self.call: tuple[tuple, dict] | None = None
+        """The model's last call as its caller made it (:meth:`record_call`)."""
+        """The caller's ``attention_mask`` (whole rows) → that of the tokens this rank routed (a slice under cp)."""
         self.checked = False
         self.recording: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While routing ahead: each later batch's counts and rows, in order."""
@@ -135,13 +146,22 @@ class _GlobalRouterLoss:
         self.totals: tuple[torch.Tensor, torch.Tensor] | None = None
         """The window's counts and rows, summed over its batches and the data-parallel ranks."""
 
+    def record_call(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's call as its caller made it, before other hooks change it (context parallelism cuts its
+        rows): what a later batch's call is made from."""
+        self.call = (tuple(args), dict(kwargs))
+
     def route_ahead(self, forward: Callable[..., Any], args: tuple, kwargs: dict, entry: Any,
-                    prepare: Callable[[Any], Any]) -> None:  # fmt: skip
+                    prepare: Callable[[Any], Any], context: Any = None) -> None:  # fmt: skip
         """Runs the window's later batches (``entry.later``) through the model without gradients, recording their
-        counts and rows (see the module docstring). A window of one batch (an epoch's last) has none."""
+        counts and rows (see the module docstring). A window of one batch (an epoch's last) has none. Under context
+        parallelism (``context``) each later batch is made from the call as given (whole rows) and cut as the
+        model's hook cuts it."""
         self.ahead = []
         if not entry.later:
             return
+        if context is not None and self.call is not None:
+            args, kwargs = self.call
         places = _places(prepare(entry.batch), args, kwargs)
         self.recording = []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -149,7 +169,11 @@ class _GlobalRouterLoss:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for batch in entry.later:
                     later_args, later_kwargs = _given(places, prepare(batch), args, kwargs)
-                    forward(*later_args, **later_kwargs)
+                    if context is None:
+                        forward(*later_args, **later_kwargs)
+                        continue
+                    with context.another_call(later_args, later_kwargs) as (cut_args, cut_kwargs):
+                        forward(*cut_args, **cut_kwargs)
             self.ahead = self.recording
         finally:
             self.recording = None
@@ -158,6 +182,7 @@ class _GlobalRouterLoss:
                  attention_mask: torch.Tensor | None = None) -> Any:  # fmt: skip
         if gate_logits is None or not isinstance(gate_logits, tuple) or num_experts is None:
             return self.own(gate_logits, num_experts, top_k, attention_mask)
+        attention_mask = self.mask_of_slice(attention_mask)
         counts, probs, rows = _sums(gate_logits, num_experts, top_k, attention_mask)
         if self.recording is not None:  # a later batch routed ahead: its counts only
             self.recording.append((counts, rows.detach()))
@@ -278,6 +303,31 @@ def _given(places: dict[str | int, int], batch: Any, args: tuple, kwargs: dict) 
     new_args = tuple(tensors[places[i]] if i in places else a for i, a in enumerate(args))
     new_kwargs = {k: tensors[places[k]] if k in places else v for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def _context_of(model: nn.Module) -> Any:
+    """The context parallelism installed on ``model`` (its rows cut over cp ranks), or None."""
+    from lightning_par3d.parallel.context_parallel import context_parallel_of
+
+    return context_parallel_of(model)
+
+
+def _mask_of_slice(model: nn.Module) -> Callable[[Any], Any]:
+    """``attention_mask`` → that of the tokens this rank routed: under context parallelism the model got a slice of
+    every row, and par3d kept the caller's mask of whole rows for the attention (the model's forward, which adds the
+    router's loss, got none), so the slice's columns of it; the mask itself without cp."""
+
+    def cut(mask: Any) -> Any:
+        context = _context_of(model)
+        current = context.current if context is not None else None
+        if current is None:
+            return mask
+        whole = mask if isinstance(mask, torch.Tensor) and mask.shape[-1] == current.length else current.key_valid
+        if whole is None:
+            return mask
+        return whole[..., current.positions.to(whole.device)].long()
+
+    return cut
 
 
 def _sums(gate_logits: tuple, num_experts: int, top_k: int,

@@ -220,7 +220,7 @@ class SharedMeasures:
                          if f.name not in self._EXCLUDED)  # fmt: skip
         shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else repr(t) for t in microbatch)
         data_parallel = (layout.data_parallel, layout.zero, layout.shard_ranks > 1, layout.dp_replicate > 1)
-        sizes = (layout.pp > 1, layout.tp, layout.ep, layout.dp_shard if layout.ep > 1 else None, layout.cp)
+        sizes = (layout.pp > 1, layout.tp, layout.ep, layout.shard_ranks if layout.ep > 1 else None, layout.cp)
         key = (settings, shapes, data_parallel, sizes, layout.reshard_after_forward, precision, loss_fn)
         return self._measures.setdefault(key, {})
 

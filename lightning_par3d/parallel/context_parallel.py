@@ -261,6 +261,19 @@ class ContextParallel:
         self._enter_trunk()
         return tuple(args), kwargs
 
+    @contextmanager
+    def another_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        """A call of the trunk's ``forward`` made directly, on whole rows, inside another (a batch routed ahead of
+        the one in progress, :mod:`lightning_par3d.engine.router_loss`): yields its arguments cut as the trunk's
+        hook cuts them, and gives the call in progress its slice back after."""
+        saved = self.current
+        cut = self._cut(self.trunk, args, kwargs)
+        try:
+            yield cut
+        finally:
+            self._modes.pop().__exit__(None, None, None)
+            self.current = saved
+
     def _enter_trunk(self) -> None:
         """The trunk's forward begins: attention outside its blocks is refused until it ends (:meth:`_trunk_done`)."""
         outside = _OutsideBlocks(self)

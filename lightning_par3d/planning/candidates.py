@@ -2,15 +2,14 @@
 
 Every factorization ``world_size = pp × dp_replicate × dp_shard × cp × tp`` is a candidate (``cp > 1`` where
 :class:`SearchSpace` tries context parallelism: for a model whose attention it can split, at degrees ``2·cp`` divides
-the sequence by), and for each: the expert-parallel degrees that divide ``dp_shard`` (where :class:`SearchSpace` tries
-them: for a mixture-of-experts model), the ZeRO stages (over ``dp_shard > 1``; ``dp_shard = 1`` is replication,
-stage 0; under ``cp > 1`` or ``ep > 1`` FSDP2, stage 3, alone), under ``pp > 1`` each pipeline schedule with
-its stages per rank and microbatch counts, and each activation checkpointing mode, as :class:`SearchSpace` lists
-them. ``fixed`` pins any of these to one value (``{"tp": 2}``, ``{"pipeline_schedule": "1f1b"}``) and is checked
-first, with a message that names the value and the fix. :func:`rejection` then says why a candidate cannot run:
+the sequence by), and for each: the expert-parallel degrees that divide ``dp_shard × cp`` (where :class:`SearchSpace`
+tries them: for a mixture-of-experts model), the ZeRO stages (over ``dp_shard > 1``; ``dp_shard = 1`` is replication,
+stage 0; under ``cp > 1`` or ``ep > 1`` FSDP2, stage 3, alone), under ``pp > 1`` each pipeline schedule with its stages
+per rank and microbatch counts, and each activation checkpointing mode, as :class:`SearchSpace` lists them. ``fixed``
+pins any of these to one value (``{"tp": 2}``, ``{"pipeline_schedule": "1f1b"}``) and is checked first, with a message
+that names the value and the fix. :func:`rejection` then says why a candidate cannot run:
 :func:`~lightning_par3d.config.resolve_layout`'s own message, a tensor-parallel group across nodes, a batch that does
-not split, a sequence that ``2·cp`` does not divide.
-"""
+not split, a sequence that ``2·cp`` does not divide. """
 
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ class SearchSpace:
     gathers cost communication, so the cost model and the memory check choose: cp wins where the sequence makes
     activations dominate."""
     expert_parallel: tuple[int, ...] | None = None
-    """Expert-parallel degrees tried, each where it divides ``dp_shard`` (1 included where it is wanted). ``None``:
+    """Expert-parallel degrees tried, each where it divides ``dp_shard × cp`` (1 included where it is wanted). ``None``:
     for a mixture-of-experts model, 1 and every degree that divides its experts per layer; else 1 alone. The experts'
     all-to-alls against FSDP2 gathering them whole: the cost model and the memory check choose."""
     prune_checkpointing: bool = True
@@ -157,7 +156,7 @@ def _sizes(world_size: int, space: SearchSpace, fixed: Mapping[str, Any], option
                     if dp % dp_replicate or fixed.get("dp_shard", dp_shard) != dp_shard:
                         continue
                     for ep in options("ep", space.expert_parallel or (1,)):
-                        if dp_shard % ep or (ep > 1 and cp > 1):  # experts split over dp_shard; not over cp yet
+                        if (dp_shard * cp) % ep:  # the experts split over the ranks of dp_shard × cp
                             continue
                         for stage in _zero_stages(dp_shard, max(cp, ep), space, options):
                             yield dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, tp=tp,

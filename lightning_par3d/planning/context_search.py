@@ -13,7 +13,7 @@ and the memory check as every other layout. The table's notes say which way it w
 ``cp > 1`` is searched only at degrees whose ``2·cp`` divides the sequence (load-balanced chunks), and only for a
 model par3d can split (:func:`~lightning_par3d.parallel.context_parallel.context_problem`: a trunk whose attention
 is torch's SDPA without a sliding window, whose ``forward`` takes ``position_ids``) under the base configuration's
-token mean without expert parallelism.
+token mean.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ def context_refusal(root: nn.Module, base: Par3DConfig) -> str | None:
 
     if base.loss_mean != "tokens":
         return f"loss_mean={base.loss_mean!r}: cp > 1 weighs its ranks' token slices by the token mean only"
-    if base.ep != 1:
-        return f"ep={base.ep}: experts are not split over context-parallel ranks yet"
     return context_problem(root)
 
 

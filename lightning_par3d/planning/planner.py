@@ -164,7 +164,7 @@ def _context_rows(
     refusal = context_refusal(probes.root(), setup.base)
     if refusal is not None:
         return [], f"(cp > 1 not searched although {why}: {refusal})"
-    space = dataclasses.replace(space, context_parallel=degrees, expert_parallel=(1,))  # ep × cp: not yet
+    space = dataclasses.replace(space, context_parallel=degrees)
     return _search(space, setup, probes, memory), f"(cp = {', '.join(map(str, degrees))} searched too: {why}.)"
 
 
