@@ -9,7 +9,7 @@ per rank and microbatch counts, and each activation checkpointing mode, as :clas
 pins any of these to one value (``{"tp": 2}``, ``{"pipeline_schedule": "1f1b"}``) and is checked first, with a message
 that names the value and the fix. :func:`rejection` then says why a candidate cannot run:
 :func:`~lightning_par3d.config.resolve_layout`'s own message, a tensor-parallel group across nodes, a batch that does
-not split, a sequence that ``2·cp`` does not divide. """
+not split, a sequence that ``2·cp`` does not divide."""
 
 from __future__ import annotations
 
