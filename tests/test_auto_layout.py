@@ -69,20 +69,11 @@ def test_auto_at_eight_ranks_keeps_the_sizes_the_user_fixed(pool8, tmp_path):
     assert_parity(got, run_reference(global_batch=16))
 
 
-def test_auto_keeps_a_pinned_cp_and_trains_on_the_single_process_trajectory(pool4, tmp_path):
-    """``cp=2`` stays (each row split over 2 ranks); the other sizes, the engine and the schedule are searched; the
-    global batch is batch_size 4 × the 2 data-parallel ranks cp=2 leaves of 4; 2 layouts measured, both at cp=2, in
-    the same processes."""
-    got, layout = _trained(pool4, 4, rank_batch=4, root=tmp_path, cp=2, measure=2, plan_machine="h100-sxm-8")
-    assert layout.cp == 2 and layout.world_size == 4
-    assert "cp=2" in pool4.log_tail(0, chars=20000)
-    assert_parity(got, run_reference(global_batch=8))
-
-
 def test_auto_chooses_cp_where_rows_are_long_and_few_and_trains_on_the_single_process_trajectory(pool4, tmp_path):
     """2 rows of 256 tokens a step on 4 ranks: data parallelism stops at 2, the fastest layout without cp splits the
     model and holds more activations than state, so the plan searches cp and predicts pp=2 × cp=2 fastest (on the
-    profile; measure=0 trains the prediction). As launched, it trains to one process's losses and parameters."""
+    profile; measure=0 trains the prediction). As launched, it trains to one process's losses and parameters. (A
+    pinned ``cp=2`` is a pinned size as any other: ``test_auto_keeps_a_pinned_ep...`` in test_moe.py pins ep.)"""
     long_rows = dict(model=dict(block_size=256), data=dict(block_size=256, max_bytes=256 * 20 + 2))
     strategy = dict(layout="auto", global_batch=2, measure=0, plan_machine="h100-sxm-8")
     results = pool4.run(run_par3d, strategy=strategy, devices=4, rank_batch=1, default_root_dir=str(tmp_path),
@@ -242,6 +233,17 @@ def test_bad_auto_settings_fail_before_launch():
     pinned = Par3DEngine(Par3DConfig(layout="auto", dp_replicate=2, dp_shard=2, global_batch=6))
     with pytest.raises(ValueError, match=r"global_batch=6 does not split over the dp=4 .* nearest that do: 4 or 8"):
         pinned.resolve(8)
+
+
+def test_pinned_cp_and_ep_are_kept_and_cp_leaves_fewer_data_parallel_ranks():
+    """``cp`` and ``ep`` set with ``layout="auto"`` are pinned for the plan; ``cp`` ranks read the same rows, so the
+    global batch the configuration names is the loader's batch × the ranks left after pp, tp and cp."""
+    from lightning_par3d.planning.at_launch import default_dp, fixed_settings, global_batch_of
+
+    config = Par3DConfig(layout="auto", cp=2, ep=2)
+    assert fixed_settings(config) == {"cp": 2, "ep": 2}
+    assert default_dp(config, 8) == 4 and global_batch_of(config, rank_batch=3, world_size=8) == 12
+    Par3DEngine(config).resolve(8)  # accepted before launch (was refused for both)
 
 
 def test_the_layout_is_read_after_it_is_chosen():
