@@ -148,7 +148,11 @@ def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (dict(cp=2, ep=2, dp_shard=2), r"cp=2 with ep=2: experts are not split"),
+        (
+            dict(cp=2, ep=4, dp_shard=1, dp_replicate=2),
+            r"ep=4 splits the experts over ranks taken from dp_shard × cp, "
+            r"but dp_shard × cp = 2 is not a multiple of 4",
+        ),
         (dict(cp=2, loss_mean="microbatches"), r"cp=2 with loss_mean='microbatches'.*use loss_mean='tokens'"),
         (dict(cp=2, dp_shard=2, zero_stage=1), r"cp=2 with zero_stage=1.*use zero_stage=3"),
         (dict(cp=0), r"cp=0 must be a positive integer"),
