@@ -135,9 +135,10 @@ class _GlobalRouterLoss:
                  window: Callable[[], Any], mask_of_slice: Callable[[Any], Any] = lambda m: m) -> None:  # fmt: skip
         self.own, self.dp, self.dp_group, self.accumulation, self.window = own, dp, dp_group, accumulation, window
         self.mask_of_slice = mask_of_slice
-        self.call: tuple[tuple, dict] | None = None
-        """The model's last call as its caller made it (:meth:`record_call`)."""
         """The caller's ``attention_mask`` (whole rows) → that of the tokens this rank routed (a slice under cp)."""
+        self.call: tuple[tuple, dict] | None = None
+        """The model's last call as its caller made it (:meth:`record_call`; it holds that call's inputs until the
+        next)."""
         self.checked = False
         self.recording: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While routing ahead: each later batch's counts and rows, in order."""
