@@ -89,6 +89,7 @@ def install(
     set_attribute(model, _CALL_HOOK, model.register_forward_pre_hook(state.record_call, prepend=True, with_kwargs=True))
 
     def global_loss_forward(*args: Any, **kwargs: Any) -> Any:
+        given, state.call = state.call, None  # the call as its caller made it: this forward's only, never kept after
         if not (model.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
         with _standing_in(home, state):
@@ -97,7 +98,7 @@ def install(
                 wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
             entry = window() if wanted and accumulation() > 1 else None
             if entry is not None and entry.index == 0:  # (the router's loss off: nothing to route ahead)
-                state.route_ahead(forward, args, kwargs, entry, prepare, _context_of(model))
+                state.route_ahead(forward, args, kwargs, entry, prepare, _context_of(model), given)
             return forward(*args, **kwargs)
 
     setattr(global_loss_forward, _ORIGINAL, forward)
@@ -137,8 +138,8 @@ class _GlobalRouterLoss:
         self.mask_of_slice = mask_of_slice
         """The caller's ``attention_mask`` (whole rows) → that of the tokens this rank routed (a slice under cp)."""
         self.call: tuple[tuple, dict] | None = None
-        """The model's last call as its caller made it (:meth:`record_call`; it holds that call's inputs until the
-        next)."""
+        """The model's call as its caller made it (:meth:`record_call`), from its hooks to its forward, which takes
+        it (so no batch is held between calls)."""
         self.checked = False
         self.recording: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """While routing ahead: each later batch's counts and rows, in order."""
@@ -153,16 +154,17 @@ class _GlobalRouterLoss:
         self.call = (tuple(args), dict(kwargs))
 
     def route_ahead(self, forward: Callable[..., Any], args: tuple, kwargs: dict, entry: Any,
-                    prepare: Callable[[Any], Any], context: Any = None) -> None:  # fmt: skip
+                    prepare: Callable[[Any], Any], context: Any = None,
+                    given: tuple[tuple, dict] | None = None) -> None:  # fmt: skip
         """Runs the window's later batches (``entry.later``) through the model without gradients, recording their
         counts and rows (see the module docstring). A window of one batch (an epoch's last) has none. Under context
-        parallelism (``context``) each later batch is made from the call as given (whole rows) and cut as the
-        model's hook cuts it."""
+        parallelism (``context``) each later batch is made from the call as its caller made it (``given``: whole
+        rows) and cut as the model's hook cuts it."""
         self.ahead = []
         if not entry.later:
             return
-        if context is not None and self.call is not None:
-            args, kwargs = self.call
+        if context is not None and given is not None:
+            args, kwargs = given
         places = _places(prepare(entry.batch), args, kwargs)
         self.recording = []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []

@@ -51,11 +51,9 @@ class PlanRow:
         """The layout in one short line: sizes, ZeRO stage, schedule and checkpointing."""
         c = self.config
         layout = self.layout
-        sizes = (
-            f"pp{layout.pp}·rep{layout.dp_replicate}·shard{layout.dp_shard}{_within(layout, '·')}·tp{layout.tp}"
-            if layout is not None
-            else f"pp{c.pp}·rep{c.dp_replicate}·shard{c.dp_shard}{_within(c, '·')}·tp{c.tp}"
-        )
+        source = layout if layout is not None else c
+        within = _within(source, "·{name}{size}")
+        sizes = f"pp{source.pp}·rep{source.dp_replicate}·shard{source.dp_shard}{within}·tp{source.tp}"
         parts = [sizes, f"z{_zero(self)}"]
         if c.pp > 1:
             v = f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""
@@ -84,12 +82,10 @@ class PlanRow:
         return args
 
 
-def _within(source: Any, separator: str) -> str:
-    """The context- and expert-parallel degrees of a layout (or a configuration), where above 1."""
-    sizes = [(name, getattr(source, name)) for name in ("cp", "ep") if getattr(source, name) > 1]
-    if separator == "·":
-        return "".join(f"·{name}{size}" for name, size in sizes)
-    return "".join(f" × {name}={size}" for name, size in sizes)
+def _within(source: Any, form: str) -> str:
+    """The context- and expert-parallel degrees of a layout (or a configuration) above 1, each as ``form``
+    (``"·{name}{size}"``, ``" × {name}={size}"``)."""
+    return "".join(form.format(name=n, size=getattr(source, n)) for n in ("cp", "ep") if getattr(source, n) > 1)
 
 
 def _zero(row: PlanRow) -> int:
@@ -307,7 +303,7 @@ def _rate(per_s: float | None) -> str:
 
 def _sizes(row: PlanRow) -> str:
     source = row.layout if row.layout is not None else row.config
-    within = _within(source, " × ")
+    within = _within(source, " × {name}={size}")
     return f"pp={source.pp} × rep={source.dp_replicate} × shard={source.dp_shard}{within} × tp={source.tp}"
 
 
