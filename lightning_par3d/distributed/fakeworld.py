@@ -11,12 +11,11 @@ mesh of a later fake world that equals one of an earlier world (the same ranks a
 mesh, whose process groups are gone: its next collective fails with "Could not resolve the process group". Leaving a
 fake world (:func:`forget_meshes`) clears that cache.
 
-torch 2.13 crashes when Python's cyclic garbage collector clears a reference cycle that holds the fake and meta
-tensors, DTensors and fake-group modules the planner and the estimator build: the planner of an 8B Llama at 64 ranks
-died with a segmentation fault, ``free(): corrupted unsorted chunks`` or ``self->cdata.use_count() == 1 INTERNAL
-ASSERT FAILED`` inside the collector (``THPVariable_clear``), and a 1.5B at 8 ranks with ``pybind11_object_dealloc():
-Tried to deallocate unregistered instance!``; small models, whose builds rarely reach the collector's threshold, never.
-:func:`garbage_kept` keeps the collector from clearing those cycles.
+Planning makes millions of short-lived Python objects (fake tensors and their metadata), each of which would count
+toward the cyclic garbage collector's next pass over the whole young heap: :func:`collector_paused` pauses it while
+the planner, the estimator and the dry run work, and collects once at the end. (Until 2026-11-29 the cycles were
+kept, never cleared, after an 8B plan crashed inside the collector; the cause was elsewhere and is fixed:
+:func:`~lightning_par3d.utils.torch_private.deepcopy_with_fake_tensors`.)
 """
 
 from __future__ import annotations
@@ -73,24 +72,17 @@ def fake_world(world_size: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-_KEPT: list[object] = []
-"""The cyclic garbage the planner, the estimator and the dry run left, kept alive (see :func:`garbage_kept`)."""
 _DEPTH = threading.local()
 
 
 @contextmanager
-def garbage_kept() -> Iterator[None]:
-    """The cyclic garbage collector paused within (the planner, the estimator, the dry run), and what it would have
-    had to clear handed over instead, and kept.
-
-    At the end of the outermost such section (they nest), the collector runs once with ``gc.DEBUG_SAVEALL``, which
-    hands every unreachable cycle over instead of clearing it (see the module docstring for the crashes clearing
-    causes), and the cycles are kept for the rest of the process. It runs over the youngest generation only: with
-    the collector paused, every object the section made is still there, and a full collection would walk the whole
-    heap (0.28 s per estimate in a process that has imported Lightning, most of an estimate of a small model).
-    What they hold is Python objects only: fake and meta tensors have no storage (an 8B Llama's whole plan keeps
-    under 1 GiB of them; a run's process never plans). Reference counting frees everything else as usual, within
-    the section too."""
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused within (the planner, the estimator, the dry run: sections nest), and one
+    collection of the youngest generation at the end of the outermost, which clears the cycles the section left.
+    With the collector paused every object the section made is still in that generation, and a full collection
+    would walk the whole heap (0.28 s per estimate in a process that has imported Lightning, most of an estimate of
+    a small model). An 8B Llama's plan at 64 ranks takes 71 s with the collector running, 64 s paused. Reference
+    counting frees everything else as usual, within the section too."""
     depth = getattr(_DEPTH, "value", 0)
     _DEPTH.value = depth + 1
     enabled = gc.isenabled()
@@ -101,13 +93,8 @@ def garbage_kept() -> Iterator[None]:
     finally:
         _DEPTH.value = depth
         if depth == 0:
-            flags = gc.get_debug()
-            gc.set_debug(flags | gc.DEBUG_SAVEALL)
             try:
                 gc.collect(0)
-                _KEPT.extend(gc.garbage)
-                gc.garbage.clear()
             finally:
-                gc.set_debug(flags)
                 if enabled:
                     gc.enable()

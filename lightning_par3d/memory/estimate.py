@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import garbage_kept
+from lightning_par3d.distributed.fakeworld import collector_paused
 from lightning_par3d.distributed.mesh import Par3DMesh
 from lightning_par3d.memory.meters import ModelStateBytes
 from lightning_par3d.memory.stage_measure import SharedMeasures, measure_stages
@@ -190,7 +190,7 @@ def estimate_memory(
     check_batch_splits(_rows_of(batch), micro)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, DTensor on fake tensors
-        with garbage_kept():
+        with collector_paused():
             stages = measure_stages(module, config, layout, batch, micro, precision, loss_fn, shared_measures)
         order = _pipeline_order(layout) if layout.pp > 1 else None
     rows = []

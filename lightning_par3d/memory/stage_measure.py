@@ -3,7 +3,7 @@ pipeline stage (or of the whole model without pipelining): its parameters' local
 microbatch's forward saves for backward.
 
 Each stage is built and parallelized by the run's own functions and run on fake tensors. The model is built once
-per estimate and every stage is copied out of it (:class:`_OneBuild`).
+per estimate and every stage (every copy of the model, without pipelining) is copied out of it (:class:`_OneBuild`).
 
 **Stages are measured by their depth, not block by block.** Where a pipelined model's blocks are alike (the same
 class, parameter and buffer shapes, and settings: a Qwen2 layer with a sliding window differs from one without), a
@@ -16,12 +16,17 @@ with the measure of the whole stage, field by field); stages whose blocks differ
 ``ac_every``-th block, by the block's index in the model) and a custom ``ac_blocks`` are measured whole, as before.
 
 **Without pipelining, the whole model is measured by its depth too**, where it declares a pipeline trunk
-(``pipeline_trunk``, as every model par3d pipelines does): a fresh build is cut to its first two and first three
-blocks (:func:`_cut_to`: a ModuleList shortened, a ModuleDict's other keys removed), parallelized by the run's
+(``pipeline_trunk``, as every model par3d pipelines does): a copy of the build cut to its first two and first three
+blocks (:meth:`_OneBuild.copy`: a ModuleList shortened, a ModuleDict's other keys removed), parallelized by the run's
 functions and run, and the figures extend by what the third block added. Two and three, not one and two: the run's
 functions find a model's blocks as a container of two or more alike modules (for checkpointing and sequence
 parallelism), which a model cut to one block no longer has. A model that declares no trunk, or of five blocks or fewer
 (whose cuts would run as many), is measured whole.
+
+**Checkpointed parts read their recompute from the same parts without checkpointing**: what backward recomputes at a
+time is a block's own activations, metered in the unchecked part's forward (:attr:`StageMeasure.block_bytes`). The
+planner tries a layout without checkpointing first, so its checkpointed variant finds that measure made
+(:class:`SharedMeasures`) and runs once, not twice.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 from lightning_par3d.parallel.context_parallel import apply_context_parallel, cut_declared_loss, positions_of
 from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
-from lightning_par3d.pipeline.split import find_trunk_parts, keep_only
+from lightning_par3d.pipeline.split import find_trunk_parts
 from lightning_par3d.pipeline.trunk import declared_pipeline
 from lightning_par3d.utils.torch_private import (
+    deepcopy_with_fake_tensors,
     fake_mode_paused,
     fake_tensor_mode,
     fp32_grouped_mm_on_fake,
@@ -67,6 +73,9 @@ class StageMeasure:
     output: Any = None
     frozen: list[bool] = field(default_factory=list)
     """Per parameter in ``param_shapes``: frozen (``requires_grad=False``)."""
+    block_bytes: int = 0
+    """Without checkpointing: the largest block's own activations (what backward recomputes at a time, where the
+    same part is checkpointed)."""
 
     def deeper(self, one_more: StageMeasure, blocks: int, measured: int = 1) -> StageMeasure:
         """This stage's measure with ``measured`` blocks (``self``) and with one more (``one_more``), extended to
@@ -83,6 +92,7 @@ class StageMeasure:
             recompute_bytes=max(self.recompute_bytes, one_more.recompute_bytes),
             output=one_more.output,
             frozen=[frozen for _, frozen in pairs],
+            block_bytes=max(self.block_bytes, one_more.block_bytes),
         )
 
 
@@ -100,7 +110,7 @@ def measure_stages(
     One fake process group serves every stage, as global rank 0: a stage's tensor-parallel shapes depend on the tp
     coordinate only, and dp_shard rank 0 holds the largest shards. ``shared``: the measures by depth of earlier
     estimates of this model (:class:`SharedMeasures`)."""
-    fake = fake_tensor_mode()
+    fake = fake_tensor_mode() if shared is None else shared.fake
     with fake:
         inputs = _fake_batch(batch)
         microbatch = [t[: t.shape[0] // micro] if isinstance(t, Tensor) and t.dim() else t for t in inputs]
@@ -114,12 +124,16 @@ def measure_stages(
     with fake_world(layout.world_size):
         # The run's mesh, over fake groups: real (CPU) mesh tensors, made outside the fake mode.
         mesh = Par3DMesh.build(layout, "cpu", fake_group)
-        built = _OneBuild(module, precision)
+        built = _OneBuild(module, precision) if shared is None else shared.build(module, precision)
         by_depth = {} if shared is None else shared.of(config, layout, microbatch, precision, loss_fn)
+        # Under checkpointing, the blocks' own activations come from the same parts without it: an estimate without
+        # checkpointing measures exactly those (the planner's, of the layout tried first), and shares them.
+        plain = dataclasses.replace(config, activation_checkpointing="none")
+        plain_by_depth = {} if shared is None else shared.of(plain, layout, microbatch, precision, loss_fn)
         structures = {} if shared is None else shared.structures
         for stage in range(layout.n_stages):
             part = _Part(built, config, mesh, stage, precision, fake, structures)
-            result = part.measure_by_depth(carried, microbatch, loss_fn, by_depth)
+            result = part.measure_by_depth(carried, microbatch, loss_fn, by_depth, plain_by_depth)
             carried = result.output
             results.append(result)
     return results
@@ -144,22 +158,54 @@ def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Mo
 
 @dataclass
 class _OneBuild:
-    """The model built once for every pipeline stage of an estimate: :func:`~lightning_par3d.compose.build_stage`
-    copies each stage out of it and parallelizes the copy, leaving it as it was (as a run's rank builds its stages
-    from one model). Without pipelining the run's functions parallelize the model itself, so each use builds anew.
-    ``alike`` says whether the pipelined model's blocks are alike (see the module docstring), once."""
+    """The model built once per estimate: :func:`~lightning_par3d.compose.build_stage` copies each pipeline stage out
+    of it and parallelizes the copy, leaving it as it was (as a run's rank builds its stages from one model); without
+    pipelining the run's functions parallelize the model itself, so each use takes a copy (:meth:`copy`, cut to its
+    first blocks where it is measured by depth). ``alike`` says whether the model's blocks are alike (see the module
+    docstring), once."""
 
     module: nn.Module | Callable[[], nn.Module]
     precision: str
     _root: nn.Module | None = None
     _alike: bool | None = None
+    _copy_refused: bool = False
 
-    def root(self, pipelined: bool) -> nn.Module:
-        if not pipelined:
-            return _build(self.module, self.precision)
+    def root(self) -> nn.Module:
+        """The one build, never parallelized."""
         if self._root is None:
             self._root = _build(self.module, self.precision)
         return self._root
+
+    def copy(self, first_blocks: list[str] | None = None) -> nn.Module:
+        """A copy of the one build, to parallelize, cut to ``first_blocks`` of its trunk's blocks (in order) where
+        given: a deep copy that never copies the other blocks (a model cut to 3 of its 80 blocks costs 3 blocks, not
+        a build of 80), under the caller's fake mode (:func:`~lightning_par3d.utils.torch_private.
+        deepcopy_with_fake_tensors`). A model that cannot be deep-copied (it holds something that refuses) is built
+        anew."""
+        root = self.root()
+        trunk_name = declared_pipeline(root).trunk if first_blocks is not None else ""
+        parts = find_trunk_parts(getattr(root, trunk_name)) if first_blocks is not None else None
+        if not self._copy_refused:
+            memo: dict[int, Any] = {}
+            if parts is not None:
+                container = getattr(root, trunk_name).get_submodule(parts.container)
+                for block in parts.blocks[len(first_blocks or ()) :]:
+                    memo[id(container.get_submodule(block.rsplit(".", 1)[1]))] = None  # None in the copy: removed
+            try:
+                copied = deepcopy_with_fake_tensors(root, memo)
+            except (RuntimeError, TypeError):
+                self._copy_refused = True
+        if self._copy_refused:
+            copied = _build(self.module, self.precision)
+        if parts is not None:
+            assert first_blocks is not None and list(parts.blocks[: len(first_blocks)]) == first_blocks
+            cut = getattr(copied, trunk_name).get_submodule(parts.container)
+            if parts.keep_indices:  # a ModuleList shortened (its blocks keep their indices) ...
+                del cut[len(first_blocks) :]
+            else:  # ... a ModuleDict without the other keys
+                for block in parts.blocks[len(first_blocks) :]:
+                    delattr(cut, block.rsplit(".", 1)[1])
+        return copied
 
     def alike(self, trunk: nn.Module, blocks: list[str]) -> bool:
         if self._alike is None:
@@ -212,6 +258,18 @@ class SharedMeasures:
         self.structures: dict[tuple[Any, ...], tuple[list[list[str]] | None, bool]] = {}
         """The model's stage splits (the same model for every estimate), so that an estimate whose measures are all
         known builds no model at all."""
+        self.fake = fake_tensor_mode()
+        """One fake mode for every estimate, which the model's one build is made in."""
+        self._builds: dict[tuple[int, str], _OneBuild] = {}
+
+    def build(self, module: nn.Module | Callable[[], nn.Module], precision: str) -> _OneBuild:
+        """The model's one build in ``precision``, for every estimate: each copies its stages (or the model) out of
+        it and leaves it as it was (an 8B Llama takes 0.11 s to build on fake tensors, and a plan runs hundreds of
+        estimates)."""
+        key = (id(module), precision)
+        if key not in self._builds:
+            self._builds[key] = _OneBuild(module, precision)
+        return self._builds[key]
 
     def of(self, config: Par3DConfig, layout: Layout, microbatch: list[Any], precision: str,
            loss_fn: Any) -> dict[tuple[bool, bool, int], StageMeasure]:  # fmt: skip
@@ -244,9 +302,11 @@ class _Part:
         microbatch: list[Any],
         loss_fn: Callable[..., Tensor] | None,
         known: dict[tuple[bool, bool, int], StageMeasure],
+        plain: dict[tuple[bool, bool, int], StageMeasure],
     ) -> StageMeasure:
         """:meth:`measure`, or, where the stage's blocks are alike, the measure of its first block and first two
-        blocks (``known``: by role and depth, shared by the stages of an estimate) extended to its depth."""
+        blocks (``known``: by role and depth, shared by the stages of an estimate) extended to its depth. ``plain``:
+        the same measures without activation checkpointing (what a checkpointed part's recompute is read from)."""
         layout = self.mesh.layout
         if self.config.activation_checkpointing == "selective" or self.config.ac_blocks:
             return self.measure(carried, microbatch, loss_fn)
@@ -266,7 +326,7 @@ class _Part:
             return self.measure(carried, microbatch, loss_fn)
         for depth in (base, base + 1) if len(own) > base + 1 else (len(own),):
             if (*role, depth) not in known:
-                known[(*role, depth)] = self.measure(carried, microbatch, loss_fn, own[:depth])
+                known[(*role, depth)] = self.measure(carried, microbatch, loss_fn, own[:depth], plain, (*role, depth))
         if len(own) <= base + 1:
             return known[(*role, len(own))]
         return known[(*role, base)].deeper(known[(*role, base + 1)], len(own), base)
@@ -277,7 +337,7 @@ class _Part:
         size, stages per rank and split points (kept in :attr:`structures`)."""
         layout = self.mesh.layout
         with self.fake:  # the model is built under the fake mode, never for real
-            root = self.built.root(pipelined=True)
+            root = self.built.root()
             if layout.pp == 1:
                 blocks = _declared_blocks(root)
                 if blocks is None:
@@ -295,32 +355,47 @@ class _Part:
         microbatch: list[Any],
         loss_fn: Callable[..., Tensor] | None,
         own: list[str] | None = None,
+        plain: dict[tuple[bool, bool, int], StageMeasure] | None = None,
+        key: tuple[bool, bool, int] | None = None,
     ) -> StageMeasure:
         """The part's model-state shapes, and the bytes one microbatch's forward saves for backward (``own``: the
-        stage cut to these of its blocks). Under full or selective checkpointing, a first build without
-        checkpointing measures each block's own activations (what backward recomputes at a time)."""
-        recompute = 0
-        if self.config.activation_checkpointing in ("full", "selective"):
-            plain = dataclasses.replace(self.config, activation_checkpointing="none")
-            sizes: list[int] = []
-            meter = SavedTensorMeter()
-            with self.fake:
-                part, blocks, run = self._parallelized(plain, carried, microbatch, loss_fn, own)
-                hooks = _block_meters(blocks, meter, sizes)
-                with autocast(self.precision), meter, fp32_grouped_mm_on_fake():
-                    run()
-                for hook in hooks:
-                    hook.remove()
-            recompute = max(sizes, default=0)
+        stage cut to these of its blocks). Under full or selective checkpointing, the same part without
+        checkpointing gives each block's own activations (what backward recomputes at a time): ``plain[key]``
+        where an earlier estimate measured it (kept there where it was not)."""
+        if self.config.activation_checkpointing not in ("full", "selective"):
+            return self._measure(self.config, carried, microbatch, loss_fn, own)
+        without = plain.get(key) if plain is not None and key is not None else None
+        if without is None:
+            unchecked = dataclasses.replace(self.config, activation_checkpointing="none")
+            without = self._measure(unchecked, carried, microbatch, loss_fn, own)
+            if plain is not None and key is not None:
+                plain[key] = without
+        measured = self._measure(self.config, carried, microbatch, loss_fn, own)
+        return dataclasses.replace(measured, recompute_bytes=without.block_bytes)
+
+    def _measure(
+        self,
+        config: Par3DConfig,
+        carried: Any,
+        microbatch: list[Any],
+        loss_fn: Callable[..., Tensor] | None,
+        own: list[str] | None,
+    ) -> StageMeasure:
+        """One build of the part under ``config``, parallelized and run; without checkpointing, each block's own
+        activations are metered too (:attr:`StageMeasure.block_bytes`)."""
         meter = SavedTensorMeter()
+        sizes: list[int] = []
         with self.fake:
-            part, _, run = self._parallelized(self.config, carried, microbatch, loss_fn, own)
+            part, blocks, run = self._parallelized(config, carried, microbatch, loss_fn, own)
+            hooks = _block_meters(blocks, meter, sizes) if config.activation_checkpointing == "none" else []
             shapes = _tp_local_shapes(part)
             frozen = [not p.requires_grad for p in part.parameters()]
             with autocast(self.precision), meter, fp32_grouped_mm_on_fake():
                 output = run()
+            for hook in hooks:
+                hook.remove()
         detached = output.detach() if isinstance(output, Tensor) else None
-        return StageMeasure(shapes, meter.peak, recompute, detached, frozen)
+        return StageMeasure(shapes, meter.peak, 0, detached, frozen, max(sizes, default=0))
 
     def _parallelized(
         self,
@@ -339,9 +414,8 @@ class _Part:
         ``nonzero()``, which the fake mode refuses (its output shape depends on data). The model's tensors stay
         fake all the same: every op on them dispatches to their own fake mode."""
         layout = self.mesh.layout
-        root = self.built.root(pipelined=layout.pp > 1)
-        if layout.pp == 1 and own_blocks is not None:  # the model cut to its first blocks (measured by depth)
-            _cut_to(root, own_blocks)
+        # Without pipelining, a copy of the model (cut to its first blocks where measured by depth) is parallelized.
+        root = self.built.copy(own_blocks) if layout.pp == 1 else self.built.root()
         fqn_styles = build.checked_plan(root, config, layout.tp)  # the run's checks, messages and plan
         experts = build.find_experts(root, layout.ep) if layout.ep > 1 else None
         if layout.pp == 1:
@@ -407,20 +481,6 @@ def _declared_blocks(root: nn.Module) -> list[str] | None:
         return list(find_trunk_parts(trunk).blocks)
     except TypeError:
         return None
-
-
-def _cut_to(root: nn.Module, first_blocks: list[str]) -> None:
-    """Cuts the trunk of ``root``, in place, to ``first_blocks`` (the first of its blocks, in order): a ModuleList
-    is shortened (its blocks keep their indices), a ModuleDict loses the other keys. What remains is a model of that
-    depth, whose container of blocks the run's functions find as in the whole one."""
-    trunk = getattr(root, declared_pipeline(root).trunk)
-    parts = find_trunk_parts(trunk)
-    if parts.keep_indices:
-        container = trunk.get_submodule(parts.container)
-        assert isinstance(container, nn.ModuleList) and list(parts.blocks[: len(first_blocks)]) == first_blocks
-        del container[len(first_blocks) :]
-    else:
-        keep_only(trunk, parts, set(first_blocks), first=True, last=True)
 
 
 def _whole_step(module: nn.Module, microbatch: list[Any], loss_fn: Callable[..., Tensor] | None) -> Callable[[], Any]:

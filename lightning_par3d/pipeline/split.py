@@ -17,13 +17,13 @@ position tables, dropout) are *shared*: every stage uses the trunk's own.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from lightning_par3d.utils.patterns import repeated_members
+from lightning_par3d.utils.torch_private import deepcopy_with_fake_tensors
 
 
 class NotOnThisStage(nn.Module):
@@ -205,7 +205,7 @@ def build_stage_module(trunk: nn.Module, parts: TrunkParts, owned: set[str], fir
     left_out += [*(() if first else parts.head), *(() if last else parts.tail)]
     memo: dict[int, Any] = {id(trunk.get_submodule(name)): NotOnThisStage() for name in left_out}
     memo.update({id(trunk.get_submodule(name)): trunk.get_submodule(name) for name in parts.shared})
-    stage = keep_only(copy.deepcopy(trunk, memo), parts, owned, first, last)
+    stage = keep_only(deepcopy_with_fake_tensors(trunk, memo), parts, owned, first, last)
     for name in parts.shared:
         _put(stage, name, trunk.get_submodule(name))
     return stage

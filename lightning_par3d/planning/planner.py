@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import check_no_process_group, garbage_kept, keep_excepthook
+from lightning_par3d.distributed.fakeworld import check_no_process_group, collector_paused, keep_excepthook
 from lightning_par3d.planning.candidate_memory import MemoryModel
 from lightning_par3d.planning.candidates import SearchSpace, candidates, check_fixed, rejection
 from lightning_par3d.planning.context_search import context_degrees, context_may_pay, context_refusal
@@ -99,7 +99,7 @@ def plan(
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
     notes = []
-    with keep_excepthook(), garbage_kept():
+    with keep_excepthook(), collector_paused():
         space = setup.search
         if space.expert_parallel is None:
             experts, expert_note = expert_degrees(probes.root(), world_size)
@@ -193,7 +193,7 @@ def evaluate(
     )  # fmt: skip
     probes = _Probes(module, setup.base, seq_len, precision, loss_fn)
     memory = MemoryModel(module, world_size, seq_len, precision, optimizer, loss_fn, probes.params)
-    with keep_excepthook(), garbage_kept():
+    with keep_excepthook(), collector_paused():
         return [_evaluate(config, setup, probes, memory, set()) for config in configs]
 
 

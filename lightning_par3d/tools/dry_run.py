@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
-from lightning_par3d.distributed.fakeworld import garbage_kept
+from lightning_par3d.distributed.fakeworld import collector_paused
 
 MIB = 2**20
 
@@ -155,7 +155,7 @@ def dry_run(
 # ---------------------------------------------------------------- in the rank's own process
 
 
-@garbage_kept()  # the collector kept from clearing fake tensors: see lightning_par3d.distributed.fakeworld
+@collector_paused()  # planning makes millions of short-lived objects: see lightning_par3d.distributed.fakeworld
 def run_rank(
     module: nn.Module | Callable[[], nn.Module],
     config: Par3DConfig,

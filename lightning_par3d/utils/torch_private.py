@@ -51,6 +51,59 @@ def fake_mode_paused() -> Any:
     return unset_fake_temporarily()
 
 
+def deepcopy_with_fake_tensors(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """``copy.deepcopy(obj, memo)`` for a module that holds fake tensors (the memory estimator's and the planner's
+    models), where torch's own deep copy goes wrong twice:
+
+    * a fake tensor is copied with its ``__dict__``, which holds its ``FakeTensorMode``: each copy made a new fake
+      mode, a deep copy of its caches and the C++ objects they hold, whose later deallocation crashed the process
+      (a segmentation fault, ``corrupted double-linked list``, ``pybind11_object_dealloc(): Tried to deallocate
+      unregistered instance!`` inside ``copy.deepcopy``; 20 copies of one stage of a small Llama were enough). Each
+      fake mode enters the memo as itself;
+    * a real (or meta) tensor is copied through its storage, which an active fake mode refuses ("Attempted to set
+      the storage of a tensor on device 'meta' to a storage on different device 'cpu'"): a metric's states. The
+      module's tensors that are not fake are copied first with the fake mode paused.
+
+    Private module: ``torch._subclasses.fake_tensor`` (see :func:`is_fake`); torch has no public deep copy of a
+    fake model."""
+    import copy
+
+    memo = {} if memo is None else memo
+    real = []
+    for tensor in _held_tensors(obj, memo):
+        if is_fake(tensor):
+            mode = tensor.fake_mode  # type: ignore[attr-defined]
+            memo[id(mode)] = mode
+        else:
+            real.append(tensor)
+    with fake_mode_paused():
+        for tensor in real:
+            copy.deepcopy(tensor, memo)
+    return copy.deepcopy(obj, memo)
+
+
+def _held_tensors(obj: Any, memo: dict[int, Any]) -> list[torch.Tensor]:
+    """The tensors ``obj`` (a module: each of its submodules not in ``memo``) holds as parameters, buffers or
+    attributes, within dicts, lists, tuples and sets; each once."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or id(value) in memo:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found[id(value)] = value
+        elif isinstance(value, torch.nn.Module):
+            stack.append(vars(value))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+    return list(found.values())
+
+
 _BUILDING = threading.local()
 """Whether this thread builds a model on fake tensors (:func:`moves_in_place_skipped`)."""
 _TO_LOCK = threading.Lock()
