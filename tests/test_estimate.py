@@ -297,6 +297,24 @@ def test_the_planner_counts_the_recompute_of_single_block_stages():
     ]
 
 
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_planners_probe_by_depth_is_the_whole_stages_probe(model):
+    """The planner probes a pipelined model's stages by role and depth (one and two blocks, shared by every split)
+    and extends them to each stage's blocks: field by field, tensor-parallel collectives in their order included,
+    what probing each whole stage gives, at uneven splits and several stages per rank."""
+    from examples.hf_llama import CausalLMModule
+    from lightning_par3d.planning.probe import probe_layout, stage_work
+
+    module = GPTModule(**{**MODEL, "n_layer": 7}) if model == "gpt" else CausalLMModule(num_hidden_layers=7)
+    by_depth: dict = {}
+    for pp, per_rank in ((2, 1), (3, 1), (2, 2), (7, 1)):
+        layout = probe_layout(pp, per_rank)
+        whole = stage_work(module, Par3DConfig(), layout, MODEL["block_size"])
+        assert stage_work(module, Par3DConfig(), layout, MODEL["block_size"], by_depth=by_depth) == whole, layout
+    assert sorted(by_depth) == [(False, False, 1), (False, False, 2), (False, True, 1), (False, True, 2),
+                                (True, False, 1), (True, False, 2)]  # fmt: skip
+
+
 def test_the_in_place_move_skip_is_the_building_threads_only():
     """While the estimator builds a model, a ``.to()`` that changes nothing leaves the module as it is, in that
     thread only: a user's other threads move modules as torch does, and ``nn.Module.to`` is torch's own after."""
@@ -402,7 +420,7 @@ def test_blocks_that_differ_are_measured_whole():
     index aside), so its stages are measured whole; a Llama's 4 layers are alike."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_par3d.memory.stage_measure import _signature
+    from lightning_par3d.memory.stage_measure import block_signature
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=100)
     with torch.device("meta"):
@@ -410,5 +428,5 @@ def test_blocks_that_differ_are_measured_whole():
             Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2)
         )
         llama = LlamaForCausalLM(LlamaConfig(**small, num_key_value_heads=2))
-    assert len({_signature(layer) for layer in qwen.model.layers}) == 2
-    assert len({_signature(layer) for layer in llama.model.layers}) == 1
+    assert len({block_signature(layer) for layer in qwen.model.layers}) == 2
+    assert len({block_signature(layer) for layer in llama.model.layers}) == 1

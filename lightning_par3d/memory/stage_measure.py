@@ -209,7 +209,7 @@ class _OneBuild:
 
     def alike(self, trunk: nn.Module, blocks: list[str]) -> bool:
         if self._alike is None:
-            signatures = {_signature(trunk.get_submodule(name)) for name in blocks}
+            signatures = {block_signature(trunk.get_submodule(name)) for name in blocks}
             self._alike = len(signatures) == 1
         return self._alike
 
@@ -218,7 +218,7 @@ _INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_nu
 """A block's own index (transformers' attention keeps ``layer_idx`` for its KV cache): not part of what it saves."""
 
 
-def _signature(block: nn.Module) -> tuple[Any, ...]:
+def block_signature(block: nn.Module) -> tuple[Any, ...]:
     """What makes two blocks save and hold the same: classes, tensors' shapes, dtypes and trainability, and every
     plain setting of every submodule but its index."""
     modules = tuple((name, type(sub).__qualname__) for name, sub in block.named_modules())

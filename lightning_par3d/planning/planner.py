@@ -36,6 +36,7 @@ from lightning_par3d.planning.cost import StepTime, predict_step
 from lightning_par3d.planning.expert_search import expert_degrees
 from lightning_par3d.planning.machine import Machine, format_bytes, machine_profile, parse_bytes
 from lightning_par3d.planning.probe import (
+    ProbedByDepth,
     StageParams,
     StageWork,
     build_meta,
@@ -380,6 +381,7 @@ class _Probes:
         self._work: dict[tuple[int, int], list[StageWork] | str] = {}
         self._params: dict[tuple[int, int, int], list[StageParams] | str] = {}
         self._root: nn.Module | None = None
+        self._by_depth: ProbedByDepth = {}  # the pipelined stages' work by role and depth, for every split
 
     def root(self) -> nn.Module:
         """The model, built once on the meta device (what the searches of cp and ep look at)."""
@@ -419,7 +421,7 @@ class _Probes:
         if key not in self._work:
             probe = probe_layout(layout.pp, layout.stages_per_rank)
             try:
-                self._work[key] = stage_work(self.module, self.base, probe, self.seq_len, self.loss_fn)
+                self._work[key] = stage_work(self.module, self.base, probe, self.seq_len, self.loss_fn, self._by_depth)
             except (ValueError, TypeError) as error:
                 self._work[key] = _model_message(error)
         return self._work[key]

@@ -209,6 +209,8 @@ class _Parts:
     trunk_attr: str | None
     blocks: list[list[nn.Module]]
     """Per stage, the modules FSDP2 wraps one by one (the stage's blocks)."""
+    plan: Any = None
+    """Under pp > 1, the stage split (:class:`~lightning_par3d.pipeline.split.StagePlan`: each stage's block names)."""
 
 
 def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> _Parts:
@@ -225,7 +227,17 @@ def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layo
     trunk = getattr(root, spec.trunk)
     stages = [build.build_stage(trunk, plan, s, layout.n_stages) for s in range(layout.n_stages)]
     blocks = [[stage.get_submodule(name) for name in plan.blocks[s]] for s, stage in enumerate(stages)]
-    return _Parts(root, stages, spec.trunk, blocks)
+    return _Parts(root, stages, spec.trunk, blocks, plan)
+
+
+def _split_plan(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> Any:
+    """The model on meta and ``layout``'s stage split (pp > 1), no stage built: (root, trunk, plan)."""
+    from lightning_par3d import compose as build
+    from lightning_par3d.pipeline.trunk import declared_pipeline
+
+    root = build_meta(module)
+    spec = declared_pipeline(root)
+    return root, spec.trunk, build.plan_pipeline(root, spec, config, layout)
 
 
 def plan_styles(root: nn.Module, config: Par3DConfig) -> dict[str, str]:
@@ -326,17 +338,29 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+ProbedByDepth = dict[tuple[bool, bool, int], tuple["StageWork", list[str], Any]]
+"""A pipelined model's stages measured by role (first, last) and depth (one block, two): the work, the stage's block
+names and its output (what the next stage takes), shared by the probes of every pipeline split of one model."""
+
+
 def stage_work(
     module: nn.Module | Callable[[], nn.Module],
     config: Par3DConfig,
     layout: Layout,
     seq_len: int,
     loss_fn: Callable[..., Tensor] | None = None,
+    by_depth: ProbedByDepth | None = None,
 ) -> list[StageWork]:
-    """Each stage's FLOPs, ops, per-block recompute and tensor-parallel collectives; see the module docstring."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Each stage's FLOPs, ops, per-block recompute and tensor-parallel collectives; see the module docstring.
 
-    from lightning_par3d.compose import stage_styles
+    ``by_depth`` (the planner's, one per model): where the pipelined model's blocks are alike, a stage of ``k``
+    blocks is probed as the stage of its role (the first, a middle one, the last) with one and with two blocks,
+    kept in ``by_depth`` for every split, and extended to ``k`` blocks (:func:`_deeper`): a block's work is its own,
+    as the memory estimator's stages are measured by depth. The tests compare it with the whole stage's probe."""
+    if by_depth is not None and layout.pp > 1 and config.ac_blocks is None:
+        root, trunk_attr, plan = _split_plan(module, config, layout)
+        if _alike_blocks(getattr(root, trunk_attr), [name for names in plan.blocks for name in names]):
+            return _stage_work_by_depth(root, trunk_attr, plan, config, seq_len, loss_fn, by_depth)
     from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 
     parts = split(module, config, layout)
@@ -345,49 +369,176 @@ def stage_work(
     carried: Any = tokens
     works = []
     for s, part in enumerate(parts.stages):
-        names = styles if parts.trunk_attr is None else stage_styles(styles, part, parts.trunk_attr)
         # A stage's own blocks, as the run checkpoints them (a single one included); the whole model's are found
         own = config.ac_blocks is None and parts.trunk_attr is not None
         blocks = parts.blocks[s] if own else find_ac_blocks(part, config.ac_blocks)
-        inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
-        run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
-        sizes: dict[str, tuple[int, int]] = {}
-        per_block: list[tuple[float, int, int, int, int]] = []
-        forward = FlopCounterMode(display=False)
-        counter = _OpCounter()
-        attention = _AttentionBytes(kv_ratio_of(found[1]) if (found := find_transformers_model(parts.root)) else 1)
-        routed = _RoutedBytes(_expert_modules(parts.root, part))
-        hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter, attention, routed)
-        with _quiet(), forward, counter, attention, fp32_grouped_mm_on_fake():
-            output, loss = run()
-        for hook in hooks:
-            hook.remove()
-        routed.remove()
-        backward = FlopCounterMode(display=False)
-        back_counter = _OpCounter()
-        with _quiet(), backward, back_counter, fp32_grouped_mm_on_fake():
-            (loss if loss is not None else output).backward(None if loss is not None else torch.ones_like(output))
-        element = output.element_size() if isinstance(output, Tensor) else 4
-        works.append(
-            StageWork(
-                index=s,
-                forward_flops=forward.get_total_flops() / PROBE_BATCH,
-                backward_flops=backward.get_total_flops() / PROBE_BATCH,
-                forward_ops=counter.ops,
-                backward_ops=back_counter.ops,
-                block_forward_flops=tuple(b[0] / PROBE_BATCH for b in per_block),
-                block_forward_ops=tuple(b[1] for b in per_block),
-                block_cheap_ops=tuple(b[2] for b in per_block),
-                block_kv_bytes=tuple(b[3] / PROBE_BATCH for b in per_block),
-                block_routed_bytes=tuple(b[4] / PROBE_BATCH for b in per_block),
-                tp=_tp_collectives(part, names, sizes, blocks),
-                output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
-                activation_element_bytes=element,
-                first_block=sum(len(b) for b in parts.blocks[:s]) if own else 0,
-            )
-        )
+        first_block = sum(len(b) for b in parts.blocks[:s]) if own else 0
+        work, output = _probe_stage(parts, s, part, blocks, styles, carried, tokens, loss_fn, first_block)
+        works.append(work)
         carried = output.detach() if isinstance(output, Tensor) else carried
     return works
+
+
+def _alike_blocks(trunk: nn.Module, names: list[str]) -> bool:
+    from lightning_par3d.memory.stage_measure import block_signature
+
+    return len({block_signature(trunk.get_submodule(name)) for name in names}) == 1
+
+
+def _stage_work_by_depth(
+    root: nn.Module,
+    trunk_attr: str,
+    plan: Any,
+    config: Par3DConfig,
+    seq_len: int,
+    loss_fn: Callable[..., Tensor] | None,
+    by_depth: ProbedByDepth,
+) -> list[StageWork]:
+    """:func:`stage_work` of a pipelined model of alike blocks, each stage from its role's probes at one and two
+    blocks (``by_depth``, probed where missing)."""
+    from lightning_par3d import compose as build
+
+    styles = plan_styles(root, config)
+    tokens = torch.zeros(PROBE_BATCH, seq_len, dtype=torch.long, device="meta")
+    trunk, n_stages = getattr(root, trunk_attr), len(plan.blocks)
+    carried: Any = tokens
+    works = []
+    for s, names in enumerate(plan.blocks):
+        role = (s == 0, s == n_stages - 1)
+        for depth in (1, 2) if len(names) > 1 else (1,):
+            if (*role, depth) not in by_depth:
+                cut = dataclasses.replace(plan, blocks=[*plan.blocks[:s], names[:depth], *plan.blocks[s + 1 :]])
+                part = build.build_stage(trunk, cut, s, n_stages)
+                parts = _Parts(root, [part] * n_stages, trunk_attr, [[]] * n_stages, cut)
+                blocks = [part.get_submodule(name) for name in names[:depth]]
+                work, output = _probe_stage(parts, s, part, blocks, styles, carried, tokens, loss_fn, 0)
+                by_depth[(*role, depth)] = (
+                    work,
+                    names[:depth],
+                    output.detach() if isinstance(output, Tensor) else None,
+                )
+        first_block = sum(len(b) for b in plan.blocks[:s])
+        one, one_names, _ = by_depth[(*role, 1)]
+        if len(names) == 1:
+            work = _deeper(one, one, one_names, names)
+        else:
+            two, two_names, _ = by_depth[(*role, 2)]
+            work = _deeper(one, two, two_names, names)
+        works.append(dataclasses.replace(work, index=s, first_block=first_block))
+        output = by_depth[(*role, min(len(names), 2))][2]
+        carried = output if output is not None else carried
+    return works
+
+
+def _deeper(one: StageWork, two: StageWork, two_names: list[str], names: list[str]) -> StageWork:
+    """The work of a stage of ``names`` (alike blocks) from its role's work with one block (``one``) and with two
+    (``two``, whose blocks are ``two_names``; ``one`` itself where the stage has one block): totals grow by what the
+    second block added, per-block figures repeat the second block's, and the second block's tensor-parallel
+    collectives repeat under each later block's name, where they stand in the probe's order."""
+    more = len(names) - 1 if two is not one else 0
+
+    def grown(a: Any, b: Any) -> Any:
+        return a + more * (b - a)
+
+    def repeated(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (*a, *(b[-1:] * more)) if more else b
+
+    def renamed(c: TPCollective, block: int) -> TPCollective:
+        old = two_names[c.block] if c.block is not None else ""
+        return dataclasses.replace(c, module=names[block] + c.module[len(old) :], block=block)
+
+    tp: list[TPCollective] = []
+    entries = list(two.tp)
+    for i, c in enumerate(entries):
+        if c.block is None:
+            tp.append(c)
+            continue
+        tp.append(renamed(c, c.block))
+        last_of_run = i + 1 == len(entries) or entries[i + 1].block != c.block
+        if c.block == len(two_names) - 1 and last_of_run and more:
+            run = _run_ending_at(entries, i)
+            tp += [renamed(e, block) for block in range(len(two_names), len(names)) for e in run]
+    base = one if two is not one else two
+    return StageWork(
+        index=two.index,
+        forward_flops=grown(base.forward_flops, two.forward_flops),
+        backward_flops=grown(base.backward_flops, two.backward_flops),
+        forward_ops=grown(base.forward_ops, two.forward_ops),
+        backward_ops=grown(base.backward_ops, two.backward_ops),
+        block_forward_flops=repeated(base.block_forward_flops, two.block_forward_flops),
+        block_forward_ops=repeated(base.block_forward_ops, two.block_forward_ops),
+        block_cheap_ops=repeated(base.block_cheap_ops, two.block_cheap_ops),
+        tp=tuple(tp),
+        output_bytes_per_sample=two.output_bytes_per_sample,
+        activation_element_bytes=two.activation_element_bytes,
+        first_block=two.first_block,
+        block_kv_bytes=repeated(base.block_kv_bytes, two.block_kv_bytes),
+        block_routed_bytes=repeated(base.block_routed_bytes, two.block_routed_bytes),
+    )
+
+
+def _run_ending_at(entries: list[TPCollective], i: int) -> list[TPCollective]:
+    """The consecutive entries of one block that end at ``entries[i]``."""
+    start = i
+    while start > 0 and entries[start - 1].block == entries[i].block:
+        start -= 1
+    return entries[start : i + 1]
+
+
+def _probe_stage(
+    parts: _Parts,
+    s: int,
+    part: nn.Module,
+    blocks: list[nn.Module],
+    styles: dict[str, str],
+    carried: Any,
+    tokens: Tensor,
+    loss_fn: Callable[..., Tensor] | None,
+    first_block: int,
+) -> tuple[StageWork, Any]:
+    """Stage ``s`` (``part``, whose checkpointable blocks are ``blocks``) run forward and backward on ``carried``
+    (the previous stage's output, or the tokens): its work, and its output."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_par3d.compose import stage_styles
+
+    names = styles if parts.trunk_attr is None else stage_styles(styles, part, parts.trunk_attr)
+    inputs = carried if s == 0 else torch.empty_like(carried, requires_grad=True)
+    run = _stage_forward(parts, s, part, inputs, tokens, loss_fn)
+    sizes: dict[str, tuple[int, int]] = {}
+    per_block: list[tuple[float, int, int, int, int]] = []
+    forward = FlopCounterMode(display=False)
+    counter = _OpCounter()
+    attention = _AttentionBytes(kv_ratio_of(found[1]) if (found := find_transformers_model(parts.root)) else 1)
+    routed = _RoutedBytes(_expert_modules(parts.root, part))
+    hooks = _size_hooks(part, names, sizes) + _block_hooks(blocks, per_block, forward, counter, attention, routed)
+    with _quiet(), forward, counter, attention, fp32_grouped_mm_on_fake():
+        output, loss = run()
+    for hook in hooks:
+        hook.remove()
+    routed.remove()
+    backward = FlopCounterMode(display=False)
+    back_counter = _OpCounter()
+    with _quiet(), backward, back_counter, fp32_grouped_mm_on_fake():
+        (loss if loss is not None else output).backward(None if loss is not None else torch.ones_like(output))
+    element = output.element_size() if isinstance(output, Tensor) else 4
+    work = StageWork(
+        index=s,
+        forward_flops=forward.get_total_flops() / PROBE_BATCH,
+        backward_flops=backward.get_total_flops() / PROBE_BATCH,
+        forward_ops=counter.ops,
+        backward_ops=back_counter.ops,
+        block_forward_flops=tuple(b[0] / PROBE_BATCH for b in per_block),
+        block_forward_ops=tuple(b[1] for b in per_block),
+        block_cheap_ops=tuple(b[2] for b in per_block),
+        block_kv_bytes=tuple(b[3] / PROBE_BATCH for b in per_block),
+        block_routed_bytes=tuple(b[4] / PROBE_BATCH for b in per_block),
+        tp=_tp_collectives(part, names, sizes, blocks),
+        output_bytes_per_sample=output.numel() * element / PROBE_BATCH if isinstance(output, Tensor) else 0,
+        activation_element_bytes=element,
+        first_block=first_block,
+    )
+    return work, output
 
 
 def _stage_forward(
