@@ -23,6 +23,22 @@ def test_rank_of_inverts_coords():
     assert [MESH.rank_of(MESH.coords(r)) for r in range(16)] == list(range(16))
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2),
+        Layout(4, 1, 2, 1, cp=2),
+        Layout(pp=1, dp_replicate=1, dp_shard=1, tp=4),
+    ],
+)
+def test_pipeline_ranks_are_the_ranks_whose_coords_have_that_pp_rank(layout):
+    mesh = Par3DMesh(layout)
+    for pp_rank in range(layout.pp):
+        assert mesh.pipeline_ranks(pp_rank) == tuple(
+            r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank
+        )
+
+
 def test_groups():
     assert MESH.group_ranks("tp", 5) == [4, 5]
     assert MESH.group_ranks("dp_shard", 5) == [5, 7]

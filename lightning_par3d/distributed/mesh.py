@@ -81,6 +81,12 @@ class Par3DMesh:
         pp, dp_replicate, dp_shard, tp = reversed(values)
         return Coords(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
 
+    def pipeline_ranks(self, pp_rank: int) -> tuple[int, ...]:
+        """The global ranks of pipeline rank ``pp_rank`` (those whose :meth:`coords` have it): ``pp`` is the mesh's
+        outermost dimension, so they are one contiguous block of ``world / pp`` ranks."""
+        per = self.layout.world_size // self.layout.pp
+        return tuple(range(pp_rank * per, (pp_rank + 1) * per))
+
     def rank_of(self, coords: Coords) -> int:
         """The global rank at ``coords``."""
         rank = 0

@@ -215,7 +215,7 @@ def estimate_memory(
             state_bytes=state_b,
             frozen=frozen,
         )
-        ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
+        ranks = mesh.pipeline_ranks(pp_rank)
         rows.append(RankEstimate(pp_rank, tuple(mine), ranks, state, peak, recompute, per_mb, in_flight))
     shape = tuple(_shape_of(_first(batch)))
     microbatch_shape = (shape[0] // micro, *shape[1:]) if shape else ()

@@ -155,7 +155,7 @@ class MemoryModel:
                 state_bytes=state_b,
                 frozen=[flag for s in mine for flag in params[s].frozen or (False,) * len(params[s].shapes)],
             )
-            ranks = tuple(r for r in range(layout.world_size) if mesh.coords(r).pp == pp_rank)
+            ranks = mesh.pipeline_ranks(pp_rank)
             per_mb = tuple(per_stage[s] for s in mine)
             rebuilt = recompute.get(mine, 0)  # another placement of the same stages, in a class without recompute
             rows.append(RankEstimate(pp_rank, mine, ranks, state, peak, rebuilt, per_mb, in_flight))

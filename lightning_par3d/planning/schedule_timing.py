@@ -47,6 +47,14 @@ def simulate(
     an activation (or its gradient) takes from stage ``s``'s rank to stage ``t``'s (0 on the same rank). See the
     module docstring for the dependencies."""
     owner = {a.stage: rank for rank, acts in actions.items() for a in acts}
+    hops: dict[tuple[int, int], float] = {}  # each pair's transfer, once (a large pipeline asks millions of times)
+
+    def hop(source: int, target: int) -> float:
+        if (source, target) not in hops:
+            hops[(source, target)] = 0.0 if owner[source] == owner[target] else transfer(source, target)
+        return hops[(source, target)]
+
+    needs = {a: _needs(a, owner) for acts in actions.values() for a in acts}
     done: dict[tuple[str, int, int], float] = {}
     position = dict.fromkeys(actions, 0)
     free = dict.fromkeys(actions, 0.0)
@@ -57,7 +65,7 @@ def simulate(
         for rank, acts in actions.items():
             while position[rank] < len(acts):
                 action = acts[position[rank]]
-                ready = _ready_time(action, done, owner, transfer)
+                ready = _ready_time(needs[action], done, hop)
                 if ready is None:
                     break
                 took = duration(action)
@@ -78,34 +86,33 @@ def _key(action: Action) -> tuple[str, int, int]:
     return (kind, action.stage, action.microbatch)
 
 
-def _ready_time(
-    action: Action,
-    done: dict[tuple[str, int, int], float],
-    owner: dict[int, int],
-    transfer: Callable[[int, int], float],
-) -> float | None:
-    """When ``action``'s inputs are all there (None while one is missing)."""
+Need = tuple[tuple[str, int, int], tuple[int, int] | None]
+"""What an action waits for: another action's end (its key), and the stages an activation or gradient travels
+between to reach it (None: nothing travels)."""
+
+
+def _needs(action: Action, owner: dict[int, int]) -> tuple[Need, ...]:
+    """What ``action`` waits for (see the module docstring)."""
     s, k = action.stage, action.microbatch
-    needs: list[tuple[tuple[str, int, int], float]] = []
     if action.kind == "F":
-        if s > 0:
-            needs.append((("F", s - 1, k), _hop(s - 1, s, owner, transfer)))
-    elif action.kind in ("B", "I"):
-        needs.append((("F", s, k), 0.0))
-        if s + 1 in owner:
-            needs.append((("G", s + 1, k), _hop(s + 1, s, owner, transfer)))
-    else:  # W
-        needs.append((("G", s, k), 0.0))
+        return ((("F", s - 1, k), (s - 1, s)),) if s > 0 else ()
+    if action.kind in ("B", "I"):
+        after_forward: Need = (("F", s, k), None)
+        return (after_forward, (("G", s + 1, k), (s + 1, s))) if s + 1 in owner else (after_forward,)
+    return ((("G", s, k), None),)  # W
+
+
+def _ready_time(
+    needs: tuple[Need, ...], done: dict[tuple[str, int, int], float], hop: Callable[[int, int], float]
+) -> float | None:
+    """When an action's inputs are all there (None while one is missing)."""
     ready = 0.0
-    for key, hop in needs:
-        if key not in done:
+    for key, between in needs:
+        end = done.get(key)
+        if end is None:
             return None
-        ready = max(ready, done[key] + hop)
+        ready = max(ready, end + (hop(*between) if between is not None else 0.0))
     return ready
-
-
-def _hop(source: int, target: int, owner: dict[int, int], transfer: Callable[[int, int], float]) -> float:
-    return 0.0 if owner[source] == owner[target] else transfer(source, target)
 
 
 def schedule_bubble(
