@@ -44,12 +44,13 @@ lint: setup  ## ruff, ruff format --check, mypy, the layers (import-linter) and 
 docs: setup  ## Build the docs site into docs/_build/html (Sphinx, MyST, autodoc).
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
-bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the pipeline bubble; ZeRO; callbacks' cost.
+bench: setup  ## Benchmarks: par3d against Lightning's and Accelerate's own; the pipeline bubble; ZeRO; callbacks' cost; planning time.
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_accelerate.py
 	$(PY) benchmarks/bench_pipeline_bubble.py
 	$(PY) benchmarks/bench_zero.py
 	$(PY) benchmarks/bench_callbacks.py
+	$(PY) benchmarks/bench_plan_scale.py
 
 clean:  ## Remove the virtual environment and run outputs.
 	rm -rf $(VENV) outputs multirun lightning_logs smoke docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -30,6 +30,7 @@ COMMANDS: dict[str, list[str]] = {
     "compile": ["--rounds", "1", "--steps", "3", "--warmup", "1", "--only", "dp2xtp2", "--modes", "eager"],
     "moe": ["--rounds", "1", "--steps", "3", "--warmup", "1", "--only", "ep=4"],
     "context": ["--seqs", "64", "--steps", "3", "--warmup", "1", "--cps", "2"],
+    "plan_scale": ["--cases", "tiny"],
 }
 """Each benchmark's short run: its own options, one round of few steps (and one layout where it compares many)."""
 
@@ -47,6 +48,10 @@ ROWS: dict[str, list[str]] = {
     "compile": [rf"\| dp2xtp2 \| {NUMBER} \| — \| — \| {NUMBER} \| — \|"],
     "moe": [rf"\| {name} \|(?: {NUMBER} \|){{5}} — \|" for name in ("fsdp", "ep=4")],
     "context": [rf"\| 2 \| dp_shard=2 × cp=2 \| 64 \|(?: {NUMBER} \|){{4}} — \|", r"\| 2 \| 64 \|"],
+    "plan_scale": [
+        rf"\| tiny \| 8 \|(?: {NUMBER} \|){{4}} — \| — \| pp\d",
+        r"model: examples\.hf_llama\.CausalLMModule",
+    ],
 }
 """What each table must hold: a row per thing compared, with numbers where its figures go."""
 

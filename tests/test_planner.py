@@ -720,7 +720,7 @@ def test_copies_of_a_fake_model_keep_its_fake_mode_and_free_safely(new_interpret
     """The cause of the planner's crashes on real-sized models: torch's deep copy of a fake tensor copied its
     ``FakeTensorMode`` (caches and C++ objects with it), and freeing those copies crashed the process. The copies
     the estimator makes keep the model's fake mode; freeing 25 copies of a stage, in a fresh interpreter with the
-    collector running, exits cleanly (20 crashed it before)."""
+    collector running, exits cleanly (20 crashed it before, freed as each next copy replaced it)."""
     import sys
     import textwrap
 
@@ -744,7 +744,7 @@ def test_copies_of_a_fake_model_keep_its_fake_mode_and_free_safely(new_interpret
                 assert len(cut.model.model.layers) == 2, cut
                 held = [*stage.parameters(), *stage.buffers(), *cut.parameters(), *cut.buffers()]
                 assert all(t.fake_mode is fake for t in held)
-                gc.collect()
+            gc.collect()
         print("clean")
         """
     )

@@ -81,7 +81,7 @@ def collector_paused() -> Iterator[None]:
     collection of the youngest generation at the end of the outermost, which clears the cycles the section left.
     With the collector paused every object the section made is still in that generation, and a full collection
     would walk the whole heap (0.28 s per estimate in a process that has imported Lightning, most of an estimate of
-    a small model). An 8B Llama's plan at 64 ranks takes 71 s with the collector running, 64 s paused. Reference
+    a small model); an 8B Llama's plan at 64 ranks took 71 s with the collector running, 64 s paused. Reference
     counting frees everything else as usual, within the section too."""
     depth = getattr(_DEPTH, "value", 0)
     _DEPTH.value = depth + 1
