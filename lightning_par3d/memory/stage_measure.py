@@ -158,11 +158,11 @@ def _build(module: nn.Module | Callable[[], nn.Module], precision: str) -> nn.Mo
 
 @dataclass
 class _OneBuild:
-    """The model built once per estimate: :func:`~lightning_par3d.compose.build_stage` copies each pipeline stage out
-    of it and parallelizes the copy, leaving it as it was (as a run's rank builds its stages from one model); without
-    pipelining the run's functions parallelize the model itself, so each use takes a copy (:meth:`copy`, cut to its
-    first blocks where it is measured by depth). ``alike`` says whether the model's blocks are alike (see the module
-    docstring), once."""
+    """The model built once per estimate (once per plan: :meth:`SharedMeasures.build`), never parallelized itself:
+    :func:`~lightning_par3d.compose.build_stage` copies each pipeline stage out of it and parallelizes the copy (as a
+    run's rank builds its stages from one model); without pipelining the run's functions parallelize the model itself,
+    so each use takes a copy (:meth:`copy`, cut to its first blocks where it is measured by depth). ``alike`` says
+    whether the model's blocks are alike (see the module docstring), once."""
 
     module: nn.Module | Callable[[], nn.Module]
     precision: str
