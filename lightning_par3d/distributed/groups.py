@@ -91,6 +91,11 @@ def destroy_groups_at_exit() -> None:
 _EXIT_HANDLER: list[bool] = []
 
 
+def destroy_groups_now() -> None:
+    """What :func:`destroy_groups_at_exit` does at exit, now."""
+    _destroy_at_exit()
+
+
 def _destroy_at_exit() -> None:
     _MESHES.clear()
     _GROUPS.clear()

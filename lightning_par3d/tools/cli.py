@@ -66,6 +66,11 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 """Each subcommand, imported when it runs (``par3d --help`` imports no torch)."""
 
 
+LAUNCHING = frozenset({"smoke"})
+"""The commands whose process is a rank of a job (process groups, gloo's threads): as a process of its own (the
+console script, ``python -m``), it ends without the interpreter's teardown (:func:`_end_without_teardown`)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
@@ -75,7 +80,35 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"par3d: {command!r} is not a command. Commands: {', '.join(COMMANDS)} (par3d --help).", file=sys.stderr)
         return 2
-    return COMMANDS[command](rest)
+    code = COMMANDS[command](rest)
+    if argv is None and command in LAUNCHING:  # this process is the command (not a caller's function call)
+        _end_without_teardown(code)
+    return code
+
+
+def _end_without_teardown(code: int) -> None:
+    """Ends this process with ``code`` once its exit handlers have run (par3d's, which destroy every process group,
+    and Lightning's), skipping the interpreter's teardown.
+
+    A rank whose work is done could still abort in that teardown ("terminate called without an active exception",
+    SIGABRT, exit -6, after printing its result): Python 3.11 ends a thread that asks for the interpreter lock after
+    finalization began with ``pthread_exit``, whose unwinding through torch's C++ frames calls ``std::terminate`` (the
+    likeliest cause: gloo's threads freeing tensors that Python owns). Seen about once per full test suite on a
+    2-core machine, in ``par3d smoke``'s rank 0 after its verdict. What a process of this command has to say is said
+    by then; the operating system reclaims the rest."""
+    import atexit
+    import os
+
+    run_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's: what exit runs first, then the teardown
+    if callable(run_handlers):
+        run_handlers()
+    else:  # another interpreter: at least par3d's own
+        from lightning_par3d.distributed.groups import destroy_groups_now
+
+        destroy_groups_now()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
