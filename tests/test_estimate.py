@@ -297,7 +297,7 @@ def test_the_planner_counts_the_recompute_of_single_block_stages():
     ]
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "qwen3_moe"])
 def test_the_planners_probe_by_depth_is_the_whole_stages_probe(model):
     """The planner probes a pipelined model's stages by role and depth (one and two blocks, shared by every split)
     and extends them to each stage's blocks: field by field, tensor-parallel collectives in their order included,
@@ -305,7 +305,12 @@ def test_the_planners_probe_by_depth_is_the_whole_stages_probe(model):
     from examples.hf_llama import CausalLMModule
     from lightning_par3d.planning.probe import probe_layout, stage_work
 
-    module = GPTModule(**{**MODEL, "n_layer": 7}) if model == "gpt" else CausalLMModule(num_hidden_layers=7)
+    if model == "gpt":
+        module = GPTModule(**{**MODEL, "n_layer": 7})
+    else:  # the model's own tp plan (for experts too: each block's entries renamed per block)
+        from tests.test_moe import MOE
+
+        module = CausalLMModule(num_hidden_layers=7, **MOE.get(model, {}))
     by_depth: dict = {}
     for pp, per_rank in ((2, 1), (3, 1), (2, 2), (7, 1)):
         layout = probe_layout(pp, per_rank)

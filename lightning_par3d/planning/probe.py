@@ -209,8 +209,6 @@ class _Parts:
     trunk_attr: str | None
     blocks: list[list[nn.Module]]
     """Per stage, the modules FSDP2 wraps one by one (the stage's blocks)."""
-    plan: Any = None
-    """Under pp > 1, the stage split (:class:`~lightning_par3d.pipeline.split.StagePlan`: each stage's block names)."""
 
 
 def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> _Parts:
@@ -227,7 +225,7 @@ def split(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layo
     trunk = getattr(root, spec.trunk)
     stages = [build.build_stage(trunk, plan, s, layout.n_stages) for s in range(layout.n_stages)]
     blocks = [[stage.get_submodule(name) for name in plan.blocks[s]] for s, stage in enumerate(stages)]
-    return _Parts(root, stages, spec.trunk, blocks, plan)
+    return _Parts(root, stages, spec.trunk, blocks)
 
 
 def _split_plan(module: nn.Module | Callable[[], nn.Module], config: Par3DConfig, layout: Layout) -> Any:
@@ -340,7 +338,8 @@ def _quiet() -> Iterator[None]:
 
 ProbedByDepth = dict[tuple[bool, bool, int], tuple["StageWork", list[str], Any]]
 """A pipelined model's stages measured by role (first, last) and depth (one block, two): the work, the stage's block
-names and its output (what the next stage takes), shared by the probes of every pipeline split of one model."""
+names and its output (what the next stage takes), shared by the probes of every pipeline split of one model, sequence
+length and configuration (the planner keeps one per plan)."""
 
 
 def stage_work(
@@ -357,11 +356,12 @@ def stage_work(
     blocks is probed as the stage of its role (the first, a middle one, the last) with one and with two blocks,
     kept in ``by_depth`` for every split, and extended to ``k`` blocks (:func:`_deeper`): a block's work is its own,
     as the memory estimator's stages are measured by depth. The tests compare it with the whole stage's probe."""
+    from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
+
     if by_depth is not None and layout.pp > 1 and config.ac_blocks is None:
         root, trunk_attr, plan = _split_plan(module, config, layout)
         if _alike_blocks(getattr(root, trunk_attr), [name for names in plan.blocks for name in names]):
             return _stage_work_by_depth(root, trunk_attr, plan, config, seq_len, loss_fn, by_depth)
-    from lightning_par3d.parallel.activation_checkpoint import find_ac_blocks
 
     parts = split(module, config, layout)
     styles = plan_styles(parts.root, config)
@@ -409,7 +409,7 @@ def _stage_work_by_depth(
             if (*role, depth) not in by_depth:
                 cut = dataclasses.replace(plan, blocks=[*plan.blocks[:s], names[:depth], *plan.blocks[s + 1 :]])
                 part = build.build_stage(trunk, cut, s, n_stages)
-                parts = _Parts(root, [part] * n_stages, trunk_attr, [[]] * n_stages, cut)
+                parts = _Parts(root, [part] * n_stages, trunk_attr, [[]] * n_stages)
                 blocks = [part.get_submodule(name) for name in names[:depth]]
                 work, output = _probe_stage(parts, s, part, blocks, styles, carried, tokens, loss_fn, 0)
                 by_depth[(*role, depth)] = (
