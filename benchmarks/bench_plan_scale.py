@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -34,28 +33,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def _llama(hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int) -> dict[str, int]:
+    """``examples/hf_llama.py``'s arguments for a Llama of this shape."""
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=mlp, vocab_size=vocab)  # fmt: skip
+
+
 CASES: dict[str, dict[str, Any]] = {
-    "1.5b": {
-        "model": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                      intermediate_size=8960, vocab_size=151936),
-        "world": 8, "batch": 64, "seq": 2048, "goal": 20.0,
-    },
-    "8b": {
-        "model": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256),
-        "world": 64, "batch": 512, "seq": 8192, "goal": 60.0,
-    },
-    "70b": {
-        "model": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=28672, vocab_size=128256),
-        "world": 512, "batch": 1024, "seq": 8192, "goal": 120.0,
-    },
-    "tiny": {
-        "model": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=512, vocab_size=1000),
-        "world": 8, "batch": 16, "seq": 256, "goal": None,
-    },
-}  # fmt: skip
+    "1.5b": {"model": _llama(1536, 28, 12, 2, 8960, 151936), "world": 8, "batch": 64, "seq": 2048, "goal": 20.0},
+    "8b": {"model": _llama(4096, 32, 32, 8, 14336, 128256), "world": 64, "batch": 512, "seq": 8192, "goal": 60.0},
+    "70b": {"model": _llama(8192, 80, 64, 8, 28672, 128256), "world": 512, "batch": 1024, "seq": 8192, "goal": 120.0},
+    "tiny": {"model": _llama(256, 4, 4, 2, 512, 1000), "world": 8, "batch": 16, "seq": 256, "goal": None},
+}
 
 
 def command(case: dict[str, Any]) -> list[str]:
@@ -72,10 +62,10 @@ def command(case: dict[str, Any]) -> list[str]:
 
 
 def plan_once(case: dict[str, Any]) -> tuple[float, str]:
-    """One ``par3d plan`` of ``case``: its wall time and what it printed (raises where it failed)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """One ``par3d plan`` of ``case`` from the repository's root (``--module examples...`` found there, as from a
+    user's shell): its wall time and what it printed (raises where it failed)."""
     start = time.perf_counter()
-    done = subprocess.run(command(case), cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(command(case), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     took = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"par3d plan failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

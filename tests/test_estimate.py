@@ -320,6 +320,24 @@ def test_the_planners_probe_by_depth_is_the_whole_stages_probe(model):
                                 (True, False, 1), (True, False, 2)]  # fmt: skip
 
 
+class _UncopyableWhenBuilt(GPTModule):
+    """Holds, once configured, something ``copy.deepcopy`` refuses (a generator)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.pending = (i for i in range(1))
+
+
+@pytest.mark.parametrize("layers", [4, 8])  # measured whole, and by depth (cut copies)
+def test_a_model_that_refuses_a_deep_copy_is_estimated_from_fresh_builds(layers):
+    """The estimator copies the model's one build for each measure; a model that cannot be deep-copied once built is
+    built anew for each instead, to the same figures."""
+    args = {**MODEL, "n_layer": layers}
+    config = Par3DConfig(dp_shard=2, activation_checkpointing="full")
+    expected = estimate_memory(GPTModule(**args), config, 2, (8, 32))
+    assert estimate_memory(_UncopyableWhenBuilt(**args), config, 2, (8, 32)) == expected
+
+
 def test_the_in_place_move_skip_is_the_building_threads_only():
     """While the estimator builds a model, a ``.to()`` that changes nothing leaves the module as it is, in that
     thread only: a user's other threads move modules as torch does, and ``nn.Module.to`` is torch's own after."""

@@ -84,7 +84,7 @@ def destroy_groups_at_exit() -> None:
     hit par3d's Trainer jobs as well as Accelerate's, about one launch in twenty under the test suite's load.
     Destroying groups is local (no collective), so it cannot hang an exiting rank."""
     if not _EXIT_HANDLER:
-        atexit.register(_destroy_at_exit)
+        atexit.register(destroy_groups_now)
         _EXIT_HANDLER.append(True)
 
 
@@ -92,11 +92,8 @@ _EXIT_HANDLER: list[bool] = []
 
 
 def destroy_groups_now() -> None:
-    """What :func:`destroy_groups_at_exit` does at exit, now."""
-    _destroy_at_exit()
-
-
-def _destroy_at_exit() -> None:
+    """Destroys every process group (par3d's and the default one), if they exist: what
+    :func:`destroy_groups_at_exit` registers."""
     _MESHES.clear()
     _GROUPS.clear()
     if dist.is_initialized():
