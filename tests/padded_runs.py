@@ -107,8 +107,32 @@ class OwnLossLM(CausalLMModule):
         assert self.model is not None
         return self.model(**batch).loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:  # type: ignore[override]
+        assert self.model is not None
+        output = self.model(**batch)
+        self.log("val_loss", output.loss, sync_dist=True)
+        self.log("val_aux", output.aux_loss, sync_dist=True)
+        return output.loss
+
 
 # ---------------------------------------------------------------- Lightning runs
+
+
+def validate_own_loss(model: dict[str, Any], strategy: dict[str, Any] | None = None, devices: int = 1,
+                      side: str = "right") -> dict[str, float]:  # fmt: skip
+    """:class:`OwnLossLM`'s ``val_loss`` and ``val_aux`` (the router's loss) over the first two global batches of the
+    padded training windows, forward only; one process without ``strategy``."""
+    from lightning_par3d import Par3DStrategy
+
+    L.seed_everything(SEED, verbose=False)
+    lm = OwnLossLM(**{**TINY, **model})
+    par3d = Par3DStrategy(**{"timeout_s": 120, **strategy}) if strategy is not None else None
+    windows = Subset(_padded_set(side, own_labels=True), range(2 * GLOBAL_BATCH))
+    kwargs = trainer_kwargs(limit_val_batches=None)
+    trainer = L.Trainer(devices=devices, **({"strategy": par3d} if par3d is not None else {}), **kwargs)
+    dp = par3d.layout.dp if par3d is not None else 1  # (the layout is known once the Trainer gave the world size)
+    results = trainer.validate(lm, DataLoader(windows, batch_size=GLOBAL_BATCH // dp), verbose=False)
+    return {k: float(v) for k, v in results[0].items()}
 
 
 def run_reference(
@@ -147,7 +171,7 @@ def run_par3d(
     from lightning_par3d import Par3DStrategy
 
     L.seed_everything(SEED, verbose=False)
-    par3d = Par3DStrategy(timeout_s=120, **strategy)
+    par3d = Par3DStrategy(**{"timeout_s": 120, **strategy})
     recorder = LossRecorder()
     kwargs = trainer_kwargs(max_steps=max_steps, accumulate_grad_batches=accumulate, **trainer)
     trainer_ = L.Trainer(devices=devices, strategy=par3d, callbacks=[recorder], **kwargs)

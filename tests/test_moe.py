@@ -339,6 +339,52 @@ def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, str
     assert_parity(got, accumulated_router_loss_reference())
 
 
+@pytest.mark.parametrize(
+    "pool, strategy, accumulate",
+    [
+        (2, dict(pp=2), 1),
+        (4, dict(pp=2, dp_shard=2, ep=2), 1),
+        (4, dict(pp=2, dp_shard=2, microbatches=2), 2),
+        (2, dict(pp=2, activation_checkpointing="full"), 1),
+    ],
+    indirect=["pool"],
+    ids=["pp2", "pp2xdp_shard2xep2", "pp2xdp_shard2-accumulate2", "pp2-checkpointed"],
+)
+def test_the_router_loss_under_pipelining_is_one_processs(pool, strategy, accumulate):
+    """Under pp the model's forward, which adds its router's loss, never runs: its own ``labels=`` loss is run by
+    par3d, which routes each window's batches ahead through the pipeline (forward only) for the counts, gives each
+    router call its gradient term and adds the loss's value once. One process's trajectory, padded rows masked."""
+    run = dict(strategy=strategy, devices=pool.world_size, side="right", module=padded_runs.OwnLossLM)
+    got = pool.run(padded_runs.run_par3d, model=ROUTER_LOSS, accumulate=accumulate, **run)[0]
+    reference = router_loss_reference() if accumulate == 1 else accumulated_router_loss_reference()
+    assert_parity(got, reference)
+
+
+def test_the_router_loss_under_pipelining_in_validation_is_one_processs(pool2):
+    """Forward only (validation), the pipelined model's own loss adds its router's loss over the batch, summed over
+    the pipeline stages: the loss and ``aux_loss`` one process's model returns."""
+    got = pool2.run(padded_runs.validate_own_loss, model=ROUTER_LOSS, strategy=dict(pp=2), devices=2)[0]
+    expected = padded_runs.validate_own_loss(model=ROUTER_LOSS)
+    assert got.keys() == expected.keys() == {"val_loss", "val_aux"}
+    for key in expected:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_the_pipelined_router_loss_refuses_what_it_cannot_compute():
+    """Under pp the router's loss is refused by name (before any data moves) with cp, compile and the schedules that
+    split the backward (zero bubble, V); served at the others, and not needed for a model without it."""
+    from lightning_par3d.engine.pipeline_router_loss import refusal
+
+    lm = _built_from(ROUTER_LOSS)
+    assert refusal(lm, 1, False, "1f1b") is None and refusal(lm, 1, False, "interleaved_1f1b") is None
+    assert refusal(_built("qwen3_moe"), 2, True, "zbv_zero_bubble") is None  # output_router_logits off
+    for cp, compile_, schedule, what in ((2, False, "1f1b", "cp > 1"), (1, True, "gpipe", "compile=True"),
+                                         (1, False, "interleaved_zero_bubble", "pipeline_schedule='interleaved_zero_b"),
+                                         (1, False, "dualpipev", "pipeline_schedule='dualpipev'")):  # fmt: skip
+        message = refusal(lm, cp, compile_, schedule)
+        assert message is not None and what in message and "output_router_logits=False" in message, message
+
+
 def test_a_model_without_its_router_loss_is_not_routed_ahead(monkeypatch):
     """Routing ahead costs a forward of each later batch: only where the model adds its router's loss
     (``output_router_logits``, in its config or the call), never for a MoE model trained without it."""
@@ -392,7 +438,8 @@ def test_the_router_loss_is_refused_where_par3d_cannot_see_the_global_batch(pool
          "par3d routes ahead from the"),
         (dict(dp_shard=2), 2, padded_runs.OwnLossLM, JITTERED, "batch 2 of the accumulation window routed its tokens "
          "otherwise than when par3d routed it ahead .* router jitter noise"),
-        (dict(pp=2), 1, padded_runs.PaddedLM, ROUTER_LOSS, "under pp > 1 the loss would be left out"),
+        (dict(pp=2), 1, padded_runs.PaddedLM, ROUTER_LOSS, "this loss gets only the last stage's logits, so the "
+         "router's loss would be left out. Call the model with labels="),
     ):  # fmt: skip
         with pytest.raises(RankError, match=message):
             run = dict(strategy=strategy, devices=2, side="right", module=lm)

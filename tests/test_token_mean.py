@@ -86,6 +86,13 @@ def test_a_transformers_models_own_loss(pool2):
     assert_parity(_run(pool2, dict(dp_shard=2), 2, module=OwnLossLM), reference(own_loss=True))
 
 
+def test_a_transformers_models_own_loss_under_pipelining(pool4):
+    """The same module under pp: its trunk called with ``labels=`` runs the schedule with the model's own loss
+    function on the last stage, the labels shifted as the model shifts them (and counted so for the window)."""
+    got = _run(pool4, dict(pp=2, dp_shard=2, microbatches=2), 4, module=OwnLossLM)
+    assert_parity(got, reference(own_loss=True))
+
+
 # ---------------------------------------------------------------- Fabric and Accelerate
 
 

@@ -35,9 +35,10 @@ from lightning_par3d.checkpoint import dcp
 from lightning_par3d.compose import ParallelizeReport, parallelize
 from lightning_par3d.config import Layout, Par3DConfig
 from lightning_par3d.distributed.mesh import Par3DMesh
-from lightning_par3d.engine import collectives, records, router_loss, saving, steps, tokens
+from lightning_par3d.engine import collectives, own_loss, records, router_loss, saving, steps, tokens
 from lightning_par3d.engine.context_rows import cut_call
 from lightning_par3d.engine.optimizers import setup_optimizers as prepare_optimizers
+from lightning_par3d.engine.pipeline_router_loss import PipelinedRouterLoss
 from lightning_par3d.engine.placement import Placement
 from lightning_par3d.parallel.compression import compression_of
 from lightning_par3d.parallel.context_parallel import ContextParallel, cut_declared_loss
@@ -45,7 +46,14 @@ from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.pipeline.batches import check_loader
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
-from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec, attach_forward_only, install_loss
+from lightning_par3d.pipeline.transformers_stages import own_loss_of
+from lightning_par3d.pipeline.trunk import (
+    PipelineHost,
+    PipelineSpec,
+    attach_forward_only,
+    attach_own_loss,
+    install_loss,
+)
 from lightning_par3d.planning.at_launch import BatchSplit
 from lightning_par3d.utils.model_changes import record_of, remember
 from lightning_par3d.utils.parts import PartOf
@@ -110,6 +118,8 @@ class Par3DEngine:
         self._steps = 0
         self._tokens: tokens.TokenMean | None = None
         self._context: ContextParallel | None = None  # cp > 1: the model's rows cut and attention gathered
+        self.router: PipelinedRouterLoss | None = None
+        """Under pp: the router load-balancing loss of a mixture of experts that adds one (its own labels= loss)."""
         self.saves = saving.ModelSaves(self.placement, self._saved_module)
         """The checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`): ``save``, ``load``, … are its."""
 
@@ -161,16 +171,23 @@ class Par3DEngine:
 
     def _adopt(self, module: nn.Module, trained: nn.Module, record: records.ModelRecord) -> None:
         self._module, self._forward_module, self._record = module, trained, record
-        if record.spec is not None:
-            attach_forward_only(getattr(module, record.spec.trunk), self.forward_only)
-            if not isinstance(module, PipelineHost):
-                install_loss(module, record.spec.loss, self.run_pipeline)
-        if self.token_mean is not None:  # under pp the declared loss runs inside the schedule, as its share
-            self.token_mean.source = tokens.DECLARED if self.layout.pp > 1 else tokens.install(module, self.token_mean)
+        spec = record.spec
+        if spec is not None:
+            trunk = getattr(module, spec.trunk)
+            attach_forward_only(trunk, self.forward_only)
+            if not isinstance(module, PipelineHost) and spec.loss is not None:
+                install_loss(module, spec.loss, self.run_pipeline)
+            if own_loss_of(trunk) is not None:
+                attach_own_loss(trunk, self.own_loss)
+        if self.token_mean is not None:  # under pp the declared (or the model's own) loss runs inside the schedule
+            self.token_mean.source = (
+                tokens.install(module, self.token_mean) if spec is None
+                else tokens.TRANSFORMERS if spec.loss is None else tokens.DECLARED
+            )  # fmt: skip
         # cp > 1: the declared loss's targets cut to this rank's positions, outside the token mean's share
         self._context = cut_declared_loss(module, self.token_mean) if self.layout.cp > 1 else None
         if self.layout.pp > 1:
-            router_loss.refuse_under_pipelining(module)
+            self.router = own_loss.install_router(self, module)
         else:
             router_loss.install_for(module, self.placement, lambda: self.accumulate_grad_batches, self.token_mean)
         self.attach_metrics(module)
@@ -235,11 +252,25 @@ class Par3DEngine:
 
     # ---------------------------------------------------------------- steps
     def run_pipeline(
-        self, pending: PendingPipelineOutput, targets: Any, loss_fn: LossFn, train: bool | None = None
+        self,
+        pending: PendingPipelineOutput,
+        targets: Any,
+        loss_fn: LossFn,
+        train: bool | None = None,
+        own: bool = False,
     ) -> torch.Tensor:
         """Runs the pipeline schedule for one batch: forward and backward if ``train`` (by default: the module in
-        training mode, gradients on), else forward only. Returns the batch's loss on every rank."""
+        training mode, gradients on), else forward only. Returns the batch's loss on every rank. ``own``: the loss is
+        the model's own ``labels=`` loss (:meth:`own_loss`), the only one a router's load-balancing loss joins."""
         runner = self._require_pipeline()
+        if self.router is not None and not own:
+            raise ValueError(
+                "The model adds its router's load-balancing loss (config.output_router_logits=True) to its own "
+                "labels= loss, but under pp > 1 this loss gets only the last stage's logits, so the router's loss "
+                "would be left out. Call the model with labels= and train on its .loss (self.model(**batch).loss: "
+                "par3d adds the router's loss there, as the model does), or set output_router_logits=False (as Fabric's "
+                "and Accelerate's train_step need: their loss_fn takes the logits)."
+            )
         if train is None:
             train = self.module.training and torch.is_grad_enabled()
         share, accumulate = None, self.accumulate_grad_batches
@@ -275,6 +306,12 @@ class Par3DEngine:
                 loss_fn = self._context.cut_loss(loss_fn) if self._context is not None else loss_fn
                 return loss_fn(steps.call(model, inputs), targets).detach()
             return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
+
+    def own_loss(self, pending: PendingPipelineOutput) -> PendingPipelineOutput:
+        """Under pp: the trunk's call with ``labels=`` run with the model's own loss, with ``.loss`` (and the
+        router's ``.aux_loss``) set (:func:`lightning_par3d.engine.own_loss.run_own_loss`)."""
+        assert self._record is not None and self._record.spec is not None
+        return own_loss.run_own_loss(self, pending, getattr(self.module, self._record.spec.trunk))
 
     def forward_only(self, pending: PendingPipelineOutput) -> Any:
         """Under pp: the trunk's outputs for one call, forward only, broadcast to every pipeline rank."""

@@ -32,7 +32,8 @@ are found as the first batch's: each tensor the model got is matched to the tens
 the same places of the later batch are given. When each later batch trains, its own counts are checked against
 what routing it ahead counted, on every rank alike: a model whose routing is random (dropout, router jitter) or
 whose inputs are not the batch's tensors is refused rather than trained on another loss. Under pipelining the
-stages never run the model's ``forward``, where the loss is added: refused, naming the fix.
+stages never run the model's ``forward``, where the loss is added: :mod:`~lightning_par3d.engine.pipeline_router_loss`
+adds it to the model's own ``labels=`` loss there.
 """
 
 from __future__ import annotations
@@ -165,13 +166,13 @@ class _GlobalRouterLoss:
             return
         if context is not None and given is not None:
             args, kwargs = given
-        places = _places(prepare(entry.batch), args, kwargs)
+        places = places_of(prepare(entry.batch), args, kwargs)
         self.recording = []
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for batch in entry.later:
-                    later_args, later_kwargs = _given(places, prepare(batch), args, kwargs)
+                    later_args, later_kwargs = call_for(places, prepare(batch), args, kwargs)
                     if context is None:
                         forward(*later_args, **later_kwargs)
                         continue
@@ -186,7 +187,7 @@ class _GlobalRouterLoss:
         if gate_logits is None or not isinstance(gate_logits, tuple) or num_experts is None:
             return self.own(gate_logits, num_experts, top_k, attention_mask)
         attention_mask = self.mask_of_slice(attention_mask)
-        counts, probs, rows = _sums(gate_logits, num_experts, top_k, attention_mask)
+        counts, probs, rows = routing_sums(gate_logits, num_experts, top_k, attention_mask)
         if self.recording is not None:  # a later batch routed ahead: its counts only
             self.recording.append((counts, rows.detach()))
             return probs.new_zeros(())
@@ -273,7 +274,7 @@ def _tensors_of(batch: Any) -> list[torch.Tensor]:
     return found
 
 
-def _places(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
+def places_of(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
     """Where each tensor argument of the model's call is in ``batch`` (the index, among the batch's tensors, of the one
     it is or equals); raises naming an argument that is none of the batch's tensors."""
     tensors = _tensors_of(batch)
@@ -299,9 +300,9 @@ def _places(batch: Any, args: tuple, kwargs: dict) -> dict[str | int, int]:
     return places
 
 
-def _given(places: dict[str | int, int], batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def call_for(places: dict[str | int, int], batch: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The model's arguments for ``batch``: the first batch's call with each tensor replaced by ``batch``'s at its
-    place (:func:`_places`)."""
+    place (:func:`places_of`)."""
     tensors = _tensors_of(batch)
     new_args = tuple(tensors[places[i]] if i in places else a for i, a in enumerate(args))
     new_kwargs = {k: tensors[places[k]] if k in places else v for k, v in kwargs.items()}
@@ -333,7 +334,7 @@ def _mask_of_slice(model: nn.Module) -> Callable[[Any], Any]:
     return cut
 
 
-def _sums(gate_logits: tuple, num_experts: int, top_k: int,
+def routing_sums(gate_logits: tuple, num_experts: int, top_k: int,
           attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Over every layer's router logits and the unmasked rows: the (token, choice) pairs routed to each expert (no
     gradient), the sum of each expert's router probabilities, and the rows."""
@@ -354,16 +355,3 @@ def _sums(gate_logits: tuple, num_experts: int, top_k: int,
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
     return counts.detach(), probs, rows
-
-
-def refuse_under_pipelining(module: nn.Module) -> None:
-    """Raises where the transformers model in ``module`` adds its router's loss (``output_router_logits=True``):
-    pipeline stages run the model's parts and the declared ``pipeline_loss``, never its ``forward``, which is
-    where that loss is added; training on would silently leave it out."""
-    found = find_transformers_model(module)
-    if found is not None and getattr(getattr(found[1], "config", None), "output_router_logits", False):
-        raise ValueError(
-            f"{type(found[1]).__name__} adds its router's load-balancing loss in its forward (config."
-            "output_router_logits=True), which pipeline stages do not run: under pp > 1 the loss would be left out. "
-            "Set output_router_logits=False, or train without pipelining (pp=1)."
-        )

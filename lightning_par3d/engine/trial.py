@@ -54,7 +54,7 @@ def build_step(
     assert isinstance(module, nn.Module)
     model = engine.parallelize(module)
     spec = engine.pipeline_spec
-    if spec is not None:
+    if spec is not None and spec.loss is not None:
         install_loss(module, spec.loss, engine.run_pipeline)
 
     def lightning_step(batch: Any, index: int) -> None:

@@ -142,7 +142,7 @@ class Par3DStrategy(
         self.model = self.engine.parallelize(module)
         shared.point_at_device(module, self.root_device)
         spec = self.engine.pipeline_spec
-        if spec is not None:  # what the loss logs on the last stage, every stage logs
+        if spec is not None and spec.loss is not None:  # what the loss logs on the last stage, every stage logs
             install_loss(module, spec.loss, LogRelay(self.engine, module))
         if self.engine.placement.relayout_note:
             rank_zero_info(f"par3d {self.engine.placement.relayout_note}")

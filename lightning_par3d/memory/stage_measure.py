@@ -52,7 +52,7 @@ from lightning_par3d.parallel.context_parallel import apply_context_parallel, cu
 from lightning_par3d.parallel.precision import autocast, built_in
 from lightning_par3d.parallel.tensor_parallel import local_tensor
 from lightning_par3d.pipeline.split import find_trunk_parts
-from lightning_par3d.pipeline.trunk import declared_pipeline
+from lightning_par3d.pipeline.trunk import declared_pipeline, pipeline_loss_of
 from lightning_par3d.utils.torch_private import (
     deepcopy_with_fake_tensors,
     fake_mode_paused,
@@ -462,7 +462,7 @@ class _Part:
         def run() -> Any:
             output = part(inputs, **kwargs)
             if last:
-                getattr(root, spec.loss)(output, *targets)
+                pipeline_loss_of(root, spec)(output, *targets)
             return output
 
         return part, blocks, run

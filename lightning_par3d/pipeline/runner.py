@@ -73,6 +73,8 @@ class PipelineRunner:
     announced: set[int] = field(default_factory=set)
     """Batch sizes whose microbatch count was told to the user already (at setup, or at their first run)."""
     _schedules: dict[int, Any] = field(default_factory=dict)
+    _apart: dict[int, Any] = field(default_factory=dict)
+    """Forward-only schedules kept apart from training's (:meth:`predict`'s ``apart``), by microbatch count."""
     _loss_fn: LossFn | None = None
     _share: Share | None = None
     _grad_scale: float = 1.0
@@ -183,12 +185,21 @@ class PipelineRunner:
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]
 
-    def predict(self, pending: PendingPipelineOutput, device: torch.device) -> Any:
-        """Forward only, without a loss: the merged outputs on the ranks holding the last stage, None elsewhere."""
+    def predict(self, pending: PendingPipelineOutput, device: torch.device, apart: bool = False) -> Any:
+        """Forward only, without a loss: the merged outputs on the ranks holding the last stage, None elsewhere.
+        ``apart``: through a schedule of its own (new torch ``PipelineStage`` objects over the same modules), so that
+        the training schedule's first run still infers its stages' metadata with their backward (a zero-bubble
+        schedule whose first run was forward only has stages without one)."""
         first = pending.args[0] if pending.args else next(iter(pending.kwargs.values()))
         dummy_targets = torch.zeros(first.shape[0], device=device)
         self._check_call(pending)
-        schedule = self.schedule_for(self.microbatches_for(first.shape[0]))
+        count = self.microbatches_for(first.shape[0])
+        if apart and self.make_schedule is not None:
+            if count not in self._apart:
+                self._apart[count] = self.make_schedule(count)
+            schedule = self._apart[count]
+        else:
+            schedule = self.schedule_for(count)
         self._loss_fn, self._grad_scale, self._share = _zero_loss, 1.0, None  # no training step's token share
         try:
             outputs = schedule.eval(*pending.args, target=dummy_targets, losses=[], **pending.kwargs)

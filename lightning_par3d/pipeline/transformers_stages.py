@@ -208,3 +208,34 @@ def _causal_mask(
     return make(
         config=config, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None, position_ids=positions
     )
+
+
+IGNORE_INDEX = -100
+"""The label transformers' causal-LM losses ignore (``ForCausalLMLoss``'s default), and pad their shifted labels
+with."""
+
+
+def own_loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A pipelined transformers causal LM's own ``labels=`` loss, as the last stage applies it: ``(logits,
+    shifted_labels) -> loss``, the model's ``loss_function`` given the labels already shifted
+    (:func:`shifted_labels`, so that the token mean counts the targets the loss counts). None for a model without
+    one (not a transformers causal LM, or a model whose loss par3d does not recognize)."""
+    found = find_transformers_model(model)
+    if found is None or not isinstance(getattr(found[1], "lm_head", None), nn.Module):  # (a placeholder once split)
+        return None
+    inner = found[1]
+    loss_function = getattr(inner, "loss_function", None)
+    vocab_size = getattr(getattr(inner, "config", None), "vocab_size", None)
+    if not callable(loss_function) or not isinstance(vocab_size, int):
+        return None
+
+    def own_loss(logits: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+        return loss_function(logits, None, vocab_size, shift_labels=shifted)
+
+    return own_loss
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's labels as its own loss shifts them: each position's target is the next position's label, the
+    last position's ignored (``(batch, sequence)`` kept, so the rows split into microbatches as the ids do)."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()

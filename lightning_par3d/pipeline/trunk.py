@@ -33,26 +33,45 @@ from lightning_par3d.utils.model_changes import set_attribute, swap_class
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """The names a model declares for pipelining: its trunk attribute and its loss method."""
+    """The names a model declares for pipelining: its trunk attribute and its loss method (None: a transformers
+    causal LM trained with its own ``labels=`` loss only, :func:`attach_own_loss`)."""
 
     trunk: str
-    loss: str
+    loss: str | None
 
 
 def declared_pipeline(module: nn.Module) -> PipelineSpec:
-    """The module's ``pipeline_trunk`` and ``pipeline_loss`` names, checked."""
+    """The module's ``pipeline_trunk`` and ``pipeline_loss`` names, checked. A trunk that is a transformers causal
+    LM needs no ``pipeline_loss`` when the module trains it with its own ``labels=`` loss."""
+    from lightning_par3d.pipeline.transformers_stages import own_loss_of
+
     trunk, loss = getattr(module, "pipeline_trunk", None), getattr(module, "pipeline_loss", None)
-    if not isinstance(trunk, str) or not isinstance(loss, str):
+    trunk_module = getattr(module, trunk, None) if isinstance(trunk, str) else None
+    own = loss is None and isinstance(trunk_module, nn.Module) and own_loss_of(trunk_module) is not None
+    if not isinstance(trunk, str) or not (isinstance(loss, str) or own):
         raise TypeError(
             f"pp > 1 needs {type(module).__name__} to declare `pipeline_trunk = '<attribute of the module to split>'` "
             "and `pipeline_loss = '<method (outputs, targets) -> loss>'` as class attributes (see "
-            "lightning_par3d.pipeline.trunk)."
+            "lightning_par3d.pipeline.trunk); a transformers causal LM trained through its own labels= loss needs "
+            "pipeline_trunk only."
         )
-    if not isinstance(getattr(module, trunk, None), nn.Module):
+    if not isinstance(trunk_module, nn.Module):
         raise TypeError(f"pipeline_trunk={trunk!r}, but {type(module).__name__}.{trunk} is not an nn.Module.")
-    if not callable(getattr(module, loss, None)):
+    if loss is not None and not callable(getattr(module, loss, None)):
         raise TypeError(f"pipeline_loss={loss!r}, but {type(module).__name__}.{loss} is not a method.")
     return PipelineSpec(trunk, loss)
+
+
+def pipeline_loss_of(module: nn.Module, spec: PipelineSpec) -> Callable[..., torch.Tensor]:
+    """The loss the last stage applies, ``(outputs, targets) -> loss``: the declared method, or the trunk's own
+    ``labels=`` loss (given the labels unshifted, as the model is)."""
+    if spec.loss is not None:
+        return getattr(module, spec.loss)
+    from lightning_par3d.pipeline.transformers_stages import own_loss_of, shifted_labels
+
+    own = own_loss_of(getattr(module, spec.trunk))
+    assert own is not None, "declared_pipeline allows no loss only for a model with its own"
+    return lambda outputs, labels: own(outputs, shifted_labels(labels))
 
 
 def check_only_trunk_has_parameters(module: nn.Module, trunk_attr: str) -> None:
@@ -106,6 +125,19 @@ FORWARD_ONLY = "_par3d_forward_only"
 """The trunk's attribute holding (a weak reference to) the engine's forward-only run (:func:`attach_forward_only`)."""
 
 
+OWN_LOSS = "_par3d_own_loss"
+"""The trunk's attribute holding (a weak reference to) the engine's run of the model's own loss
+(:func:`attach_own_loss`)."""
+
+
+def attach_own_loss(trunk: nn.Module, run: Callable[[PendingPipelineOutput], PendingPipelineOutput]) -> None:
+    """Makes a training call of the pipelined ``trunk`` (a transformers causal LM) that passes ``labels=`` run the
+    schedule with the model's own loss at once: ``run(pending)`` returns the call with its ``loss`` (and, for a
+    mixture of experts adding its router's loss, ``aux_loss``) set, as the model's output has them; held by a weak
+    reference, as :func:`attach_forward_only`'s."""
+    set_attribute(trunk, OWN_LOSS, weakref.WeakMethod(run))
+
+
 def attach_forward_only(trunk: nn.Module, run: Callable[[PendingPipelineOutput], Any]) -> None:
     """Makes a call of the pipelined ``trunk`` outside training (in eval mode, or with gradients off) run the
     schedule at once, forward only, and return the real outputs on every pipeline rank: ``run(pending)``, held by a
@@ -121,6 +153,11 @@ class _PipelinedTrunk(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         pending = PendingPipelineOutput(args, kwargs)
+        if kwargs.get("labels") is not None:  # a transformers causal LM's own loss: run for its .loss, at any step
+            own = self.__dict__.get(OWN_LOSS)
+            run_own = own() if own is not None else None
+            if run_own is not None:
+                return run_own(pending)
         reference = self.__dict__.get(FORWARD_ONLY)
         run = reference() if reference is not None else None
         if run is None or (self.training and torch.is_grad_enabled()):

@@ -564,13 +564,13 @@ def _stage_forward(
             raise TypeError("The planner needs loss_fn(outputs, *targets) for a module without training_step.")
         return lambda: (None, step((inputs, tokens), 0))
 
-    from lightning_par3d.pipeline.trunk import declared_pipeline
+    from lightning_par3d.pipeline.trunk import declared_pipeline, pipeline_loss_of
 
-    loss_name = declared_pipeline(parts.root).loss
+    loss = pipeline_loss_of(parts.root, declared_pipeline(parts.root))
 
     def stage() -> tuple[Any, Tensor | None]:
         output = part(inputs)
-        return output, getattr(parts.root, loss_name)(output, tokens) if last else None
+        return output, loss(output, tokens) if last else None
 
     return stage
 
