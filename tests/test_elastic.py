@@ -156,6 +156,12 @@ def test_relayout_keeps_pp_and_tp_and_gives_data_parallelism_the_rest():
     assert note is not None and "pp=1 × tp=2 × cp=2 kept" in note
     with pytest.raises(ValueError, match=r"cannot keep pp=1 × tp=1 × cp=4 = 4.*or lower tp, pp or cp"):
         relayout(Par3DConfig(cp=4, elastic=True), 6)
+    experts, note = relayout(Par3DConfig(dp_shard=8, ep=4, elastic=True), 6)  # dp_shard 6: ep 4 → 2
+    assert (experts.dp_shard, experts.ep) == (6, 2) and note is not None and "ep=4 → ep=2" in note
+    kept, note = relayout(Par3DConfig(dp_shard=8, ep=4, elastic=True), 4)
+    assert (kept.dp_shard, kept.ep) == (4, 4) and note is not None and "ep=" not in note.split("(")[-1]
+    folded, _ = relayout(Par3DConfig(dp_shard=2, cp=2, ep=4, elastic=True), 6)  # dp_shard 3 × cp 2: ep 2
+    assert (folded.dp_shard, folded.cp, folded.ep) == (3, 2, 2)
 
 
 def test_accumulation_keeps_the_global_batch_or_says_why_it_cannot():

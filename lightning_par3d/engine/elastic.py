@@ -37,8 +37,9 @@ from lightning_par3d.config import Layout, Par3DConfig, resolve_layout
 def relayout(config: Par3DConfig, world_size: int) -> tuple[Par3DConfig, str | None]:
     """The configuration to train ``world_size`` ranks with: ``config`` itself where its sizes fit, else the same
     ``pp``, ``tp`` and ``cp`` with data parallelism over the rest (``dp_replicate`` kept where it still divides it,
-    as HSDP), and a line saying what changed. Raises ``ValueError`` when ``pp × tp × cp`` does not divide the
-    world."""
+    as HSDP; ``ep`` kept where it still divides ``dp_shard × cp``, else its largest divisor that does: the experts
+    resume at another ep as at any layout), and a line saying what changed. Raises ``ValueError`` when
+    ``pp × tp × cp`` does not divide the world."""
     if config.layout == "auto":
         return config, None
     try:
@@ -58,10 +59,13 @@ def relayout(config: Par3DConfig, world_size: int) -> tuple[Par3DConfig, str | N
     replicas = config.dp_replicate if rest % config.dp_replicate == 0 else 1
     shard = rest // replicas
     zero = config.zero_stage if shard > 1 else None  # nothing left to shard over: replicas (zero_stage 0)
-    changed = dataclasses.replace(config, dp_replicate=replicas, dp_shard=shard, dp=None, zero_stage=zero)
+    # ep: the largest of its divisors that divides the new dp_shard × cp (each divides the experts, as ep did)
+    ep = max(d for d in range(1, config.ep + 1) if config.ep % d == 0 and (shard * config.cp) % d == 0)
+    changed = dataclasses.replace(config, dp_replicate=replicas, dp_shard=shard, dp=None, zero_stage=zero, ep=ep)
     layout = resolve_layout(changed, world_size)
     assert layout is not None
-    return changed, f"elastic: {world_size} ranks, so {layout} ({kept} kept)"
+    experts = f"; ep={config.ep} → ep={ep}, which divides dp_shard={shard}" if ep != config.ep else ""
+    return changed, f"elastic: {world_size} ranks, so {layout} ({kept} kept{experts})"
 
 
 ELASTIC_FRONT_ENDS = ("Par3DStrategy",)

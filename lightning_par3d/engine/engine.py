@@ -268,8 +268,8 @@ class Par3DEngine:
                 "The model adds its router's load-balancing loss (config.output_router_logits=True) to its own "
                 "labels= loss, but under pp > 1 this loss gets only the last stage's logits, so the router's loss "
                 "would be left out. Call the model with labels= and train on its .loss (self.model(**batch).loss: "
-                "par3d adds the router's loss there, as the model does), or set output_router_logits=False (as Fabric's "
-                "and Accelerate's train_step need: their loss_fn takes the logits)."
+                "par3d adds the router's loss there, as the model does), or set output_router_logits=False (as "
+                "Fabric's and Accelerate's train_step need: their loss_fn takes the logits)."
             )
         if train is None:
             train = self.module.training and torch.is_grad_enabled()
