@@ -10,6 +10,10 @@ weights into each rank's shards). Three attributes are all par3d needs:
   first, decoder layers balanced, final norm and LM head last), keeping every parameter's name;
 * ``pipeline_loss = "loss_fn"``: the loss the last stage applies to the logits.
 
+``own_loss=True`` trains through the model's own ``labels=`` loss instead (``self.model(input_ids=x, labels=x).loss``,
+at any layout, pp included), which adds a mixture of experts' router load-balancing loss where its config has
+``output_router_logits=True``.
+
 ``lora=`` (a ``peft.LoraConfig``'s fields) fine-tunes LoRA adapters on the frozen model; ``adapter_path=`` starts
 them from adapters ``PeftModel.save_pretrained`` (or par3d's ``SavePretrained``) wrote.
 
@@ -68,6 +72,7 @@ class CausalLMModule(L.LightningModule):
         config_overrides: dict[str, Any] | None = None,
         lora: dict[str, Any] | None = None,
         adapter_path: str | None = None,
+        own_loss: bool = False,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -152,6 +157,13 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.own_loss:  # the model's own labels= loss (the ids: it shifts them), its router's loss included
+            assert self.model is not None
+            output = self.model(input_ids=x, labels=x)
+            if getattr(output, "aux_loss", None) is not None:
+                self.log("train_router_loss", output.aux_loss, sync_dist=True)
+            self.log("train_loss", output.loss, prog_bar=True, sync_dist=True)
+            return output.loss
         loss = self.loss_fn(self(x), y)
         # sync_dist: the data-parallel mean, which under par3d's loss_mean="tokens" is the global batch's token mean
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)

@@ -266,3 +266,19 @@ def test_predict_returns_the_logits_on_every_pipeline_rank(pool2):
         assert len(stage) == len(expected)
         for got, want in zip(stage, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_whose_own_loss_ran_cannot_train_again_through_the_declared_loss():
+    """Under pp a trunk call with ``labels=`` runs the model's own loss at once; handing its output to the declared
+    loss as well would train the batch twice: refused, naming both ways out. A call that did not run goes on."""
+    from lightning_par3d.pipeline.runner import PendingPipelineOutput
+    from lightning_par3d.pipeline.trunk import PipelinedLoss
+
+    ran = []
+    loss = PipelinedLoss(lambda out, y: out, lambda pending, y, user: ran.append(pending) or torch.zeros(()))
+    pending = PendingPipelineOutput((), {"input_ids": torch.zeros(1, 2)})
+    loss(pending, None)
+    assert ran == [pending]
+    pending.loss = torch.ones(())  # type: ignore[attr-defined]  (as the engine's own-loss run leaves it)
+    with pytest.raises(ValueError, match=r"cannot go to the declared pipeline_loss too .* Return the output's \.loss"):
+        loss(pending, None)

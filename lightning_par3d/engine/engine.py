@@ -46,14 +46,7 @@ from lightning_par3d.parallel.data_parallel import replicate_with_ddp
 from lightning_par3d.parallel.materialize import build_context
 from lightning_par3d.pipeline.batches import check_loader
 from lightning_par3d.pipeline.runner import PendingPipelineOutput, PipelineRunner
-from lightning_par3d.pipeline.transformers_stages import own_loss_of
-from lightning_par3d.pipeline.trunk import (
-    PipelineHost,
-    PipelineSpec,
-    attach_forward_only,
-    attach_own_loss,
-    install_loss,
-)
+from lightning_par3d.pipeline.trunk import PipelineHost, PipelineSpec
 from lightning_par3d.planning.at_launch import BatchSplit
 from lightning_par3d.utils.model_changes import record_of, remember
 from lightning_par3d.utils.parts import PartOf
@@ -118,8 +111,7 @@ class Par3DEngine:
         self._steps = 0
         self._tokens: tokens.TokenMean | None = None
         self._context: ContextParallel | None = None  # cp > 1: the model's rows cut and attention gathered
-        self.router: PipelinedRouterLoss | None = None
-        """Under pp: the router load-balancing loss of a mixture of experts that adds one (its own labels= loss)."""
+        self.router: PipelinedRouterLoss | None = None  # pp: a mixture of experts' router load-balancing loss
         self.saves = saving.ModelSaves(self.placement, self._saved_module)
         """The checkpoints (:class:`~lightning_par3d.engine.saving.ModelSaves`): ``save``, ``load``, … are its."""
 
@@ -171,19 +163,9 @@ class Par3DEngine:
 
     def _adopt(self, module: nn.Module, trained: nn.Module, record: records.ModelRecord) -> None:
         self._module, self._forward_module, self._record = module, trained, record
-        spec = record.spec
-        if spec is not None:
-            trunk = getattr(module, spec.trunk)
-            attach_forward_only(trunk, self.forward_only)
-            if not isinstance(module, PipelineHost) and spec.loss is not None:
-                install_loss(module, spec.loss, self.run_pipeline)
-            if own_loss_of(trunk) is not None:
-                attach_own_loss(trunk, self.own_loss)
+        own_loss.attach_runs(self, module, record.spec)  # pp: the trunk's calls and the declared loss run the schedule
         if self.token_mean is not None:  # under pp the declared (or the model's own) loss runs inside the schedule
-            self.token_mean.source = (
-                tokens.install(module, self.token_mean) if spec is None
-                else tokens.TRANSFORMERS if spec.loss is None else tokens.DECLARED
-            )  # fmt: skip
+            self.token_mean.source = tokens.source_for(module, self.token_mean, record.spec)
         # cp > 1: the declared loss's targets cut to this rank's positions, outside the token mean's share
         self._context = cut_declared_loss(module, self.token_mean) if self.layout.cp > 1 else None
         if self.layout.pp > 1:
@@ -251,26 +233,12 @@ class Par3DEngine:
         self._zero = []
 
     # ---------------------------------------------------------------- steps
-    def run_pipeline(
-        self,
-        pending: PendingPipelineOutput,
-        targets: Any,
-        loss_fn: LossFn,
-        train: bool | None = None,
-        own: bool = False,
-    ) -> torch.Tensor:
-        """Runs the pipeline schedule for one batch: forward and backward if ``train`` (by default: the module in
-        training mode, gradients on), else forward only. Returns the batch's loss on every rank. ``own``: the loss is
-        the model's own ``labels=`` loss (:meth:`own_loss`), the only one a router's load-balancing loss joins."""
+    def run_pipeline(self, pending: PendingPipelineOutput, targets: Any, loss_fn: LossFn, train: bool | None = None,
+                     own: bool = False) -> torch.Tensor:  # fmt: skip
+        """Runs the schedule for one batch: forward and backward if ``train`` (default: the module training, gradients
+        on), else forward only; the batch's loss on every rank. ``own``: the model's own loss (:meth:`own_loss`)."""
         runner = self._require_pipeline()
-        if self.router is not None and not own:
-            raise ValueError(
-                "The model adds its router's load-balancing loss (config.output_router_logits=True) to its own "
-                "labels= loss, but under pp > 1 this loss gets only the last stage's logits, so the router's loss "
-                "would be left out. Call the model with labels= and train on its .loss (self.model(**batch).loss: "
-                "par3d adds the router's loss there, as the model does), or set output_router_logits=False (as "
-                "Fabric's and Accelerate's train_step need: their loss_fn takes the logits)."
-            )
+        own_loss.check_router_joins(self.router, own)
         if train is None:
             train = self.module.training and torch.is_grad_enabled()
         share, accumulate = None, self.accumulate_grad_batches
@@ -283,9 +251,8 @@ class Par3DEngine:
             zero_grad_first=self.clear_grads_first, zero=self._zero, share=share,
         )  # fmt: skip
 
-    def train_step(
-        self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward | None = None
-    ) -> torch.Tensor:
+    def train_step(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn,
+                   backward: Backward | None = None) -> torch.Tensor:  # fmt: skip
         """Forward and backward of one batch at any layout; returns the batch's loss (detached) on every rank.
         Without pp ``backward(loss)`` (default ``loss.backward()``) runs the backward; under pp the schedule. Under
         ``loss_mean="tokens"`` the loss is the batch's share of the global token mean (:meth:`start_batch` first)."""
@@ -307,11 +274,9 @@ class Par3DEngine:
                 return loss_fn(steps.call(model, inputs), targets).detach()
             return self.run_pipeline(steps.pending(inputs), targets, loss_fn, train=False)
 
-    def own_loss(self, pending: PendingPipelineOutput) -> PendingPipelineOutput:
-        """Under pp: the trunk's call with ``labels=`` run with the model's own loss, with ``.loss`` (and the
-        router's ``.aux_loss``) set (:func:`lightning_par3d.engine.own_loss.run_own_loss`)."""
-        assert self._record is not None and self._record.spec is not None
-        return own_loss.run_own_loss(self, pending, getattr(self.module, self._record.spec.trunk))
+    def own_loss(self, trunk: nn.Module, pending: PendingPipelineOutput) -> PendingPipelineOutput:
+        """Under pp: ``trunk``'s call with ``labels=`` run with the model's own loss (:mod:`.own_loss`)."""
+        return own_loss.run_own_loss(self, pending, trunk)
 
     def forward_only(self, pending: PendingPipelineOutput) -> Any:
         """Under pp: the trunk's outputs for one call, forward only, broadcast to every pipeline rank."""

@@ -24,6 +24,13 @@ from lightning_par3d.engine import pipeline_router_loss
 from lightning_par3d.engine.router_loss import call_for, places_of
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
 from lightning_par3d.pipeline.transformers_stages import IGNORE_INDEX, own_loss_of, shifted_labels
+from lightning_par3d.pipeline.trunk import (
+    PipelineHost,
+    PipelineSpec,
+    attach_forward_only,
+    attach_own_loss,
+    install_loss,
+)
 from lightning_par3d.utils.model_changes import set_attribute
 
 if TYPE_CHECKING:
@@ -31,6 +38,33 @@ if TYPE_CHECKING:
 
 _ROUTER = "_par3d_pipelined_router"
 """The model's attribute holding its :class:`~lightning_par3d.engine.pipeline_router_loss.PipelinedRouterLoss`."""
+
+
+def attach_runs(engine: Par3DEngine, module: nn.Module, spec: PipelineSpec | None) -> None:
+    """Under pp (``spec`` not None): the trunk's forward-only calls and (a transformers causal LM) its calls with
+    ``labels=`` run the engine's schedule, and so does the declared loss (a hosted model's loss is the front-end's
+    ``train_step``)."""
+    if spec is None:
+        return
+    trunk = getattr(module, spec.trunk)
+    attach_forward_only(trunk, engine.forward_only)
+    if not isinstance(module, PipelineHost) and spec.loss is not None:
+        install_loss(module, spec.loss, engine.run_pipeline)
+    if own_loss_of(trunk) is not None:
+        attach_own_loss(trunk, engine.own_loss)
+
+
+def check_router_joins(router: Any, own: bool) -> None:
+    """Raises for a pipelined loss other than the model's own (``own``) while the model adds its router's loss."""
+    if router is None or own:
+        return
+    raise ValueError(
+        "The model adds its router's load-balancing loss (config.output_router_logits=True) to its own labels= "
+        "loss, but under pp > 1 this loss gets only the last stage's logits, so the router's loss would be left out. "
+        "Call the model with labels= and train on its .loss (self.model(**batch).loss: par3d adds the router's loss "
+        "there, as the model does), or set output_router_logits=False (as Fabric's and Accelerate's train_step "
+        "need: their loss_fn takes the logits)."
+    )
 
 
 def install_router(engine: Par3DEngine, module: nn.Module) -> pipeline_router_loss.PipelinedRouterLoss | None:
@@ -69,7 +103,7 @@ def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.
     if not train:  # the batch's token mean, as the model computes it whole (not the mean of microbatch means)
         loss_fn = _batch_token_mean(loss_fn, targets, engine)
 
-    def run(call: PendingPipelineOutput = call, targets: Any = targets) -> torch.Tensor:
+    def run() -> torch.Tensor:
         return engine.run_pipeline(call, targets, loss_fn, train=train, own=True)
 
     if router is None:

@@ -42,6 +42,7 @@ from torch import nn
 
 from lightning_par3d.engine.router_loss import OWN_FUNCTION
 from lightning_par3d.utils.patterns import find_transformers_model
+from lightning_par3d.utils.torch_private import in_backward, in_pipeline_metadata_inference
 
 OFF, COUNT, TRAIN = "off", "count", "train"
 
@@ -154,13 +155,13 @@ class PipelinedRouterLoss:
 
     def _stage_begins(self, _stage: nn.Module, args: tuple, kwargs: dict) -> None:
         self._mask, self._logits = kwargs.get("attention_mask"), []
-        self._skipping = self.mode != OFF and _in_metadata_inference()
+        self._skipping = self.mode != OFF and in_pipeline_metadata_inference()
         if self.mode == COUNT and not self._checked and not self._skipping:
             self._checking = []
 
     def _routed(self, _router: nn.Module, _args: tuple, output: Any) -> None:
-        if self.mode == OFF or self._skipping or torch._C._current_graph_task_id() != -1:
-            return  # (-1: not inside a backward, where activation checkpointing recomputes the router: counted once)
+        if self.mode == OFF or self._skipping or in_backward():
+            return  # (in a backward, activation checkpointing recomputes the router: counted once)
         logits = output[self.index] if isinstance(output, (tuple, list)) else output
         with torch.no_grad():  # (nothing saved for backward inside a checkpointed layer: its recompute saves nothing)
             counts, probs, rows = _routing(logits, self._stage_mask(logits), self.experts, self.top_k)
@@ -294,21 +295,6 @@ class _Window:
     def __init__(self, counts: torch.Tensor, rows: float, scale: float, probs: list[torch.Tensor],
                  local: list[torch.Tensor]) -> None:  # fmt: skip
         self.counts, self.rows, self.scale, self.probs, self.local = counts, rows, scale, probs, local
-
-
-def _in_metadata_inference() -> bool:
-    """Whether the stage forward being called is torch's pipeline metadata inference (``PipelineStage.
-    _forward_metadata_inference``, run once per schedule before its first microbatch, on tensors made from shapes
-    only): its routing is no batch's. (Were torch to rename it, the routing of that call would be counted, and the
-    check of each batch's routing against what was routed ahead would refuse the run rather than train on it.)"""
-    frame: Any = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return False
-        if frame.f_code.co_name.endswith("_metadata_inference"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _routing(logits: torch.Tensor, mask: torch.Tensor | None, experts: int,

@@ -329,10 +329,9 @@ def _training_source(reading: list[TokenWindows]) -> TokenWindows | None:
 
 
 def install(module: nn.Module, tokens: TokenMean) -> str:
-    """Makes the training loss of ``module`` (pp = 1) its share of the global token mean: the declared
-    ``pipeline_loss`` method, else a transformers model's ``loss_function`` (the targets its loss counts are the
-    labels shifted by one, for a causal LM); records and returns which (:data:`DECLARED`, :data:`TRANSFORMERS`,
-    :data:`NONE`). Installing again (another engine) wraps the original loss, not the earlier wrapper."""
+    """Makes the training loss of ``module`` (pp = 1) its share of the global token mean: the declared pipeline loss,
+    else a transformers model's ``loss_function`` (counting the labels shifted by one); records and returns which
+    (:data:`DECLARED`, :data:`TRANSFORMERS`, :data:`NONE`). Installing again wraps the original loss, not a wrapper."""
     tokens.source = NONE
     loss_attr = getattr(module, "pipeline_loss", None)
     if isinstance(loss_attr, str) and callable(getattr(module, loss_attr, None)):
@@ -343,6 +342,12 @@ def install(module: nn.Module, tokens: TokenMean) -> str:
         set_attribute(model, "_loss_function", _transformers_loss(tokens, _unwrapped(model.loss_function)))
         tokens.source = TRANSFORMERS
     return tokens.source
+
+
+def source_for(module: nn.Module, tokens: TokenMean, spec: Any) -> str:
+    """Where ``module``'s training loss is scaled: for pp = 1 (``spec`` None) where :func:`install` wraps it; under pp
+    the declared loss, else the transformers model's own (labels shifted), each inside the schedule as its share."""
+    return install(module, tokens) if spec is None else TRANSFORMERS if spec.loss is None else DECLARED
 
 
 def _transformers_loss(tokens: TokenMean, loss_function: LossFn) -> LossFn:

@@ -117,6 +117,12 @@ class PipelinedLoss:
 
     def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(outputs, PendingPipelineOutput):
+            if "loss" in vars(outputs):  # the trunk was called with labels=: its own loss ran, backward included
+                raise ValueError(
+                    "Under pp > 1 a call of the pipelined model with labels= runs the model's own loss (forward and "
+                    "backward) at once, so this output cannot go to the declared pipeline_loss too (the batch would "
+                    "train twice). Return the output's .loss, or call the model without labels=."
+                )
             return self.run_pipeline(outputs, targets, self.user_loss)
         return self.user_loss(outputs, targets, *args, **kwargs)
 
@@ -130,9 +136,9 @@ OWN_LOSS = "_par3d_own_loss"
 (:func:`attach_own_loss`)."""
 
 
-def attach_own_loss(trunk: nn.Module, run: Callable[[PendingPipelineOutput], PendingPipelineOutput]) -> None:
-    """Makes a training call of the pipelined ``trunk`` (a transformers causal LM) that passes ``labels=`` run the
-    schedule with the model's own loss at once: ``run(pending)`` returns the call with its ``loss`` (and, for a
+def attach_own_loss(trunk: nn.Module, run: Callable[[nn.Module, PendingPipelineOutput], PendingPipelineOutput]) -> None:
+    """Makes a call of the pipelined ``trunk`` (a transformers causal LM) that passes ``labels=`` run the schedule
+    with the model's own loss at once: ``run(trunk, pending)`` returns the call with its ``loss`` (and, for a
     mixture of experts adding its router's loss, ``aux_loss``) set, as the model's output has them; held by a weak
     reference, as :func:`attach_forward_only`'s."""
     set_attribute(trunk, OWN_LOSS, weakref.WeakMethod(run))
@@ -157,7 +163,7 @@ class _PipelinedTrunk(nn.Module):
             own = self.__dict__.get(OWN_LOSS)
             run_own = own() if own is not None else None
             if run_own is not None:
-                return run_own(pending)
+                return run_own(self, pending)
         reference = self.__dict__.get(FORWARD_ONLY)
         run = reference() if reference is not None else None
         if run is None or (self.training and torch.is_grad_enabled()):

@@ -175,6 +175,32 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass (where non-reentrant activation checkpointing recomputes a
+    layer's forward, hooks included). Public replacement: none (``torch.utils.checkpoint`` uses the same call).
+
+    Private: ``torch._C._current_graph_task_id`` (-1 outside a backward)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def in_pipeline_metadata_inference() -> bool:
+    """Whether the caller runs inside torch's pipeline metadata inference (``PipelineStage._forward_metadata_
+    inference`` or ``_backward_...``, run once per schedule before its first microbatch, on tensors made from shapes
+    only), found on the call stack. Public replacement: none (a flag on the stage would be one).
+
+    Private: those methods' names (were they renamed, this would answer False)."""
+    import sys
+
+    frame: Any = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            return False
+        if frame.f_code.co_name.endswith("_metadata_inference"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def strided_shard() -> Any:
     """DTensor's ``_StridedShard`` placement class: a dimension cut in interleaved pieces (a packed projection
     under tensor parallelism, and the dp cut of a tp-sharded dim as FSDP2 lays it out). torch's public placements
