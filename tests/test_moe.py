@@ -346,9 +346,10 @@ def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, str
         (4, dict(pp=2, dp_shard=2, ep=2), 1),
         (4, dict(pp=2, dp_shard=2, microbatches=2), 2),
         (2, dict(pp=2, activation_checkpointing="full"), 1),
+        (2, dict(pp=2, compile=True), 1),
     ],
     indirect=["pool"],
-    ids=["pp2", "pp2xdp_shard2xep2", "pp2xdp_shard2-accumulate2", "pp2-checkpointed"],
+    ids=["pp2", "pp2xdp_shard2xep2", "pp2xdp_shard2-accumulate2", "pp2-checkpointed", "pp2-compiled"],
 )
 def test_the_router_loss_under_pipelining_is_one_processs(pool, strategy, accumulate):
     """Under pp the model's forward, which adds its router's loss, never runs: its own ``labels=`` loss is run by
@@ -371,17 +372,17 @@ def test_the_router_loss_under_pipelining_in_validation_is_one_processs(pool2):
 
 
 def test_the_pipelined_router_loss_refuses_what_it_cannot_compute():
-    """Under pp the router's loss is refused by name (before any data moves) with cp, compile and the schedules that
-    split the backward (zero bubble, V); served at the others, and not needed for a model without it."""
+    """Under pp the router's loss is refused by name (before any data moves) with cp and the schedules that split the
+    backward (zero bubble, V); served at the others, and not needed for a model without it."""
     from lightning_par3d.engine.pipeline_router_loss import refusal
 
     lm = _built_from(ROUTER_LOSS)
-    assert refusal(lm, 1, False, "1f1b") is None and refusal(lm, 1, False, "interleaved_1f1b") is None
-    assert refusal(_built("qwen3_moe"), 2, True, "zbv_zero_bubble") is None  # output_router_logits off
-    for cp, compile_, schedule, what in ((2, False, "1f1b", "cp > 1"), (1, True, "gpipe", "compile=True"),
-                                         (1, False, "interleaved_zero_bubble", "pipeline_schedule='interleaved_zero_b"),
-                                         (1, False, "dualpipev", "pipeline_schedule='dualpipev'")):  # fmt: skip
-        message = refusal(lm, cp, compile_, schedule)
+    assert refusal(lm, 1, "1f1b") is None and refusal(lm, 1, "interleaved_1f1b") is None
+    assert refusal(_built("qwen3_moe"), 2, "zbv_zero_bubble") is None  # output_router_logits off
+    for cp, schedule, what in ((2, "1f1b", "cp > 1"),
+                               (1, "interleaved_zero_bubble", "pipeline_schedule='interleaved_zero_b"),
+                               (1, "dualpipev", "pipeline_schedule='dualpipev'")):  # fmt: skip
+        message = refusal(lm, cp, schedule)
         assert message is not None and what in message and "output_router_logits=False" in message, message
 
 

@@ -76,7 +76,7 @@ def install_router(engine: Par3DEngine, module: nn.Module) -> pipeline_router_lo
         previous.remove()
     if model is None:
         return None
-    problem = pipeline_router_loss.refusal(module, engine.layout.cp, engine.config.compile, engine.layout.schedule)
+    problem = pipeline_router_loss.refusal(module, engine.layout.cp, engine.layout.schedule)
     if problem is not None:
         raise ValueError(problem)
     runner = engine.pipeline

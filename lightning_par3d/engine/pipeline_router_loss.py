@@ -56,7 +56,7 @@ def adds_router_loss(module: nn.Module) -> nn.Module | None:
     return found[1]
 
 
-def refusal(module: nn.Module, cp: int, compile: bool, schedule: str) -> str | None:
+def refusal(module: nn.Module, cp: int, schedule: str) -> str | None:
     """Why the pipelined router loss cannot serve ``module``'s model at this layout (None: it can). V-shaped
     and zero-bubble schedules are refused: torch's forward-only run of a V (``schedule.eval``, which routing
     ahead needs) asks for backward state it does not have, and a backward split into input and weight passes
@@ -67,7 +67,7 @@ def refusal(module: nn.Module, cp: int, compile: bool, schedule: str) -> str | N
     model = adds_router_loss(module)
     if model is None:
         return None
-    name = type(model).__name__
+    name = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model)).__name__
     if _router_class(model) is None or not all(
         isinstance(getattr(model, a, None), (int, float)) for a in ("num_experts", "num_experts_per_tok")
     ):
@@ -76,8 +76,8 @@ def refusal(module: nn.Module, cp: int, compile: bool, schedule: str) -> str | N
             "routers of under pipelining (no _can_record_outputs['router_logits']): set output_router_logits=False, "
             "or train without pipelining (pp=1)."
         )
-    if cp > 1 or compile or split:
-        what = "cp > 1" if cp > 1 else "compile=True" if compile else f"pipeline_schedule={schedule!r}"
+    if cp > 1 or split:
+        what = "cp > 1" if cp > 1 else f"pipeline_schedule={schedule!r}"
         return (
             f"{name}'s router load-balancing loss (output_router_logits=True) under pipelining is not supported with "
             f"{what} yet: set output_router_logits=False, drop {what}, or train without pipelining (pp=1)."
