@@ -128,12 +128,16 @@ def padded_reference(side: str, own_loss: bool = False, accumulate: int = 1) -> 
             id="left-padded-pp=2xcp=2-checkpointed",
         ),
         pytest.param("packed", False, 1, dict(cp=2, pp=2, microbatches=2), id="packed-pp=2xcp=2"),
+        pytest.param(
+            "right", True, 2, dict(cp=2, pp=2, microbatches=2), id="right-padded-own-loss-pp=2xcp=2-accumulate2"
+        ),
     ],
 )
 def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
     """Rows of different real lengths (``attention_mask``, ``-100`` labels on the pads) and rows of two packed
     documents (``position_ids`` restarting; the model masks them apart without a KV cache), through the module's
-    declared loss and through the transformers model's own ``labels=`` loss (shifted before the rows are cut)."""
+    declared loss and through the transformers model's own ``labels=`` loss (shifted before the rows are cut; under
+    pp its call by keyword, ``input_ids=``, is cut as a positional one is)."""
     module = padded_runs.OwnLossLM if own_loss else padded_runs.PaddedLM
     got = pool4.run(
         padded_runs.run_par3d, strategy=strategy, devices=4, side=side, module=module, accumulate=accumulate,
