@@ -111,7 +111,8 @@ class OwnLossLM(CausalLMModule):
         assert self.model is not None
         output = self.model(**batch)
         self.log("val_loss", output.loss, sync_dist=True)
-        self.log("val_aux", output.aux_loss, sync_dist=True)
+        if getattr(output, "aux_loss", None) is not None:  # (a mixture of experts adding its router's loss)
+            self.log("val_aux", output.aux_loss, sync_dist=True)
         return output.loss
 
 
@@ -120,7 +121,7 @@ class OwnLossLM(CausalLMModule):
 
 def validate_own_loss(model: dict[str, Any], strategy: dict[str, Any] | None = None, devices: int = 1,
                       side: str = "right") -> dict[str, float]:  # fmt: skip
-    """:class:`OwnLossLM`'s ``val_loss`` and ``val_aux`` (the router's loss) over the first two global batches of the
+    """:class:`OwnLossLM`'s ``val_loss`` (and ``val_aux``, a router's loss) over the first two global batches of the
     padded training windows, forward only; one process without ``strategy``."""
     from lightning_par3d import Par3DStrategy
 

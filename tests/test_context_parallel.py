@@ -146,6 +146,15 @@ def test_padded_and_packed_rows(pool4, side, own_loss, accumulate, strategy):
     assert_parity(got, padded_reference(side, own_loss, accumulate))
 
 
+def test_forward_only_batches_under_pp_keep_their_own_rows(pool4):
+    """Validation at pp2 × cp2 over two padded batches, through the model's own loss: a forward-only schedule hands
+    every microbatch to a stage in the same buffer, and each must attend with its own rows' slice (the second batch
+    failed before, finding the first one's). The loss is the batch's token mean over the cp ranks' slices."""
+    strategy = dict(pp=2, cp=2, microbatches=2)
+    got = pool4.run(padded_runs.validate_own_loss, model={}, strategy=strategy, devices=4)[0]
+    assert got == pytest.approx(padded_runs.validate_own_loss(model={}), rel=1e-5)
+
+
 # ---------------------------------------------------------------- refusals, before any process group where possible
 
 

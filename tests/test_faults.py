@@ -310,6 +310,14 @@ def test_the_failure_message_carries_the_whole_error() -> None:
     ]
     many = describe_failure(0, 2, RuntimeError("first\n" + "\n".join(f"line {i}" for i in range(100))), 20)
     assert "    line 39" in many and "line 40" not in many and "(60 more lines)" in many
+    try:  # a pipeline stage's error, as torch wraps it: the report names the cause
+        try:
+            raise RuntimeError("cp > 1: the model's blocks ran without calling torch's sdpa")
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 1] failed to run forward:\n    args: ...") from inner
+    except RuntimeError as wrapped:
+        staged = describe_failure(0, 2, wrapped, 20)
+    assert "  caused by RuntimeError: cp > 1: the model's blocks ran without calling torch's sdpa" in staged
 
 
 def test_a_failed_rank_skips_the_shutdown_collection_but_not_the_exit_handlers(new_interpreter) -> None:

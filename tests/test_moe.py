@@ -347,9 +347,17 @@ def test_the_router_loss_over_accumulated_batches_is_the_whole_windows(pool, str
         (4, dict(pp=2, dp_shard=2, microbatches=2), 2),
         (2, dict(pp=2, activation_checkpointing="full"), 1),
         (2, dict(pp=2, compile=True), 1),
+        (4, dict(pp=2, cp=2, microbatches=2), 2),
     ],
     indirect=["pool"],
-    ids=["pp2", "pp2xdp_shard2xep2", "pp2xdp_shard2-accumulate2", "pp2-checkpointed", "pp2-compiled"],
+    ids=[
+        "pp2",
+        "pp2xdp_shard2xep2",
+        "pp2xdp_shard2-accumulate2",
+        "pp2-checkpointed",
+        "pp2-compiled",
+        "pp2xcp2-accumulate2",
+    ],
 )
 def test_the_router_loss_under_pipelining_is_one_processs(pool, strategy, accumulate):
     """Under pp the model's forward, which adds its router's loss, never runs: its own ``labels=`` loss is run by
@@ -361,10 +369,17 @@ def test_the_router_loss_under_pipelining_is_one_processs(pool, strategy, accumu
     assert_parity(got, reference)
 
 
-def test_the_router_loss_under_pipelining_in_validation_is_one_processs(pool2):
+@pytest.mark.parametrize(
+    "pool, strategy",
+    [(2, dict(pp=2)), (4, dict(pp=2, cp=2, microbatches=2))],
+    indirect=["pool"],
+    ids=["pp2", "pp2xcp2"],
+)
+def test_the_router_loss_under_pipelining_in_validation_is_one_processs(pool, strategy):
     """Forward only (validation), the pipelined model's own loss adds its router's loss over the batch, summed over
-    the pipeline stages: the loss and ``aux_loss`` one process's model returns."""
-    got = pool2.run(padded_runs.validate_own_loss, model=ROUTER_LOSS, strategy=dict(pp=2), devices=2)[0]
+    the pipeline stages (and the cp ranks' slices of the rows): the loss and ``aux_loss`` one process's model
+    returns."""
+    got = pool.run(padded_runs.validate_own_loss, model=ROUTER_LOSS, strategy=strategy, devices=pool.world_size)[0]
     expected = padded_runs.validate_own_loss(model=ROUTER_LOSS)
     assert got.keys() == expected.keys() == {"val_loss", "val_aux"}
     for key in expected:
@@ -372,17 +387,16 @@ def test_the_router_loss_under_pipelining_in_validation_is_one_processs(pool2):
 
 
 def test_the_pipelined_router_loss_refuses_what_it_cannot_compute():
-    """Under pp the router's loss is refused by name (before any data moves) with cp and the schedules that split the
+    """Under pp the router's loss is refused by name (before any data moves) with the schedules that split the
     backward (zero bubble, V); served at the others, and not needed for a model without it."""
     from lightning_par3d.engine.pipeline_router_loss import refusal
 
     lm = _built_from(ROUTER_LOSS)
-    assert refusal(lm, 1, "1f1b") is None and refusal(lm, 1, "interleaved_1f1b") is None
-    assert refusal(_built("qwen3_moe"), 2, "zbv_zero_bubble") is None  # output_router_logits off
-    for cp, schedule, what in ((2, "1f1b", "cp > 1"),
-                               (1, "interleaved_zero_bubble", "pipeline_schedule='interleaved_zero_b"),
-                               (1, "dualpipev", "pipeline_schedule='dualpipev'")):  # fmt: skip
-        message = refusal(lm, cp, schedule)
+    assert refusal(lm, "1f1b") is None and refusal(lm, "interleaved_1f1b") is None
+    assert refusal(_built("qwen3_moe"), "zbv_zero_bubble") is None  # output_router_logits off
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
+        message = refusal(lm, schedule)
+        what = f"pipeline_schedule={schedule!r}"
         assert message is not None and what in message and "output_router_logits=False" in message, message
 
 

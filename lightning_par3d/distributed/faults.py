@@ -104,6 +104,10 @@ def _describe(rank: int, world_size: int, error: BaseException, timeout_s: float
     # it sees a rank it launched end) before the traceback is printed, and then this message is all a person sees.
     rest = [f"    {line[:500]}" for line in detail[1:] if line.strip()]
     lines += rest[:_MORE_LINES] + ([f"    … ({len(rest) - _MORE_LINES} more lines)"] if len(rest) > _MORE_LINES else [])
+    cause = error.__cause__  # (torch's pipeline stages wrap what failed in a stage: that is the news)
+    if cause is not None:
+        said = str(cause).strip().splitlines()
+        lines.append(f"  caused by {type(cause).__name__}: {said[0][:500] if said else ''}")
     first = None
     if store is not None:
         try:

@@ -17,11 +17,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_par3d.distributed.gather import map_tensors
 from lightning_par3d.engine import pipeline_router_loss
+from lightning_par3d.engine.context_rows import cut_call
 from lightning_par3d.engine.router_loss import call_for, places_of
+from lightning_par3d.parallel.context_parallel import context_parallel_of
 from lightning_par3d.pipeline.runner import PendingPipelineOutput
 from lightning_par3d.pipeline.transformers_stages import IGNORE_INDEX, own_loss_of, shifted_labels
 from lightning_par3d.pipeline.trunk import (
@@ -76,16 +79,17 @@ def install_router(engine: Par3DEngine, module: nn.Module) -> pipeline_router_lo
         previous.remove()
     if model is None:
         return None
-    problem = pipeline_router_loss.refusal(module, engine.layout.cp, engine.layout.schedule)
+    problem = pipeline_router_loss.refusal(module, engine.layout.schedule)
     if problem is not None:
         raise ValueError(problem)
     runner = engine.pipeline
     assert runner is not None
-    dp = engine.layout.dp
+    dp = engine.layout.dp_cp  # (the cp ranks route slices of the same rows: their counts sum with dp's)
     placement = engine.placement
+    context = context_parallel_of(module) if engine.layout.cp > 1 else None
     router = pipeline_router_loss.PipelinedRouterLoss(
         model, runner.stage_modules, dp, (lambda: placement.dp_group()) if dp > 1 else (lambda: None),
-        runner.pp_group, engine.device,
+        runner.pp_group, engine.device, context,
     )  # fmt: skip
     set_attribute(model, _ROUTER, router)
     return router
@@ -103,8 +107,13 @@ def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.
     if not train:  # the batch's token mean, as the model computes it whole (not the mean of microbatch means)
         loss_fn = _batch_token_mean(loss_fn, targets, engine)
 
+    context = context_parallel_of(engine.module) if engine.layout.cp > 1 else None
+
     def run() -> torch.Tensor:
-        return engine.run_pipeline(call, targets, loss_fn, train=train, own=True)
+        loss = engine.run_pipeline(call, targets, loss_fn, train=train, own=True)
+        if not train and context is not None:  # each cp rank summed its slices' token losses: the rows' are theirs
+            dist.all_reduce(loss, group=context.group)
+        return loss
 
     if router is None:
         pending.loss = run()  # type: ignore[attr-defined]
@@ -127,7 +136,9 @@ def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.
             calls = [call, *_later_calls(engine, pending, entry)]
             runner = engine.pipeline
             assert runner is not None
-            router.route_ahead(calls, lambda c: runner.predict(c, engine.device, apart=True))
+            context = router.context  # under cp each call is cut to this rank's positions, as the training one is
+            router.route_ahead(calls, lambda c: runner.predict(cut_call(c, None, context)[0] if context else c,
+                                                               engine.device, apart=True))  # fmt: skip
         loss, aux = router.trained(run, index, batches)
     pending.loss, pending.aux_loss = loss, aux  # type: ignore[attr-defined]
     return pending

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par3d.engine.router_loss import OWN_FUNCTION
+from lightning_par3d.parallel.context_parallel import positions_of
 from lightning_par3d.utils.patterns import find_transformers_model
 from lightning_par3d.utils.torch_private import in_backward, in_pipeline_metadata_inference
 
@@ -56,7 +57,7 @@ def adds_router_loss(module: nn.Module) -> nn.Module | None:
     return found[1]
 
 
-def refusal(module: nn.Module, cp: int, schedule: str) -> str | None:
+def refusal(module: nn.Module, schedule: str) -> str | None:
     """Why the pipelined router loss cannot serve ``module``'s model at this layout (None: it can). V-shaped
     and zero-bubble schedules are refused: torch's forward-only run of a V (``schedule.eval``, which routing
     ahead needs) asks for backward state it does not have, and a backward split into input and weight passes
@@ -76,11 +77,11 @@ def refusal(module: nn.Module, cp: int, schedule: str) -> str | None:
             "routers of under pipelining (no _can_record_outputs['router_logits']): set output_router_logits=False, "
             "or train without pipelining (pp=1)."
         )
-    if cp > 1 or split:
-        what = "cp > 1" if cp > 1 else f"pipeline_schedule={schedule!r}"
+    if split:
         return (
             f"{name}'s router load-balancing loss (output_router_logits=True) under pipelining is not supported with "
-            f"{what} yet: set output_router_logits=False, drop {what}, or train without pipelining (pp=1)."
+            f"pipeline_schedule={schedule!r}, whose backward is split: set output_router_logits=False, choose "
+            "another schedule (1f1b, interleaved_1f1b, gpipe, looped_bfs), or train without pipelining (pp=1)."
         )
     return None
 
@@ -111,7 +112,7 @@ class PipelinedRouterLoss:
     ``predict(call)``: one call's forward-only run through the pipeline."""
 
     def __init__(self, model: nn.Module, stages: Sequence[nn.Module], dp: int, dp_group: Callable[[], Any],
-                 pp_group: Any, device: torch.device) -> None:  # fmt: skip
+                 pp_group: Any, device: torch.device, context: Any = None) -> None:  # fmt: skip
         found = _router_class(model)
         assert found is not None
         router_class, self.index = found
@@ -122,6 +123,9 @@ class PipelinedRouterLoss:
         home = sys.modules.get(own_class.__module__)  # (the model's own class: par3d's pipelining swaps it)
         self.own = getattr(home, OWN_FUNCTION, None)
         self.dp, self.dp_group, self.pp_group, self.device = dp, dp_group, pp_group, device
+        self.context = context
+        """Under cp > 1 the model's :class:`~lightning_par3d.parallel.context_parallel.ContextParallel`: each rank
+        routes its slice of every row (``dp`` then counts the data-parallel ranks times the cp ranks)."""
         self.mode = OFF
         self._mask: torch.Tensor | None = None
         self._skipping = False
@@ -138,7 +142,8 @@ class PipelinedRouterLoss:
             routers = [m for m in stage.modules() if isinstance(m, router_class)]
             if not routers:
                 continue
-            self._handles.append(stage.register_forward_pre_hook(self._stage_begins, with_kwargs=True))
+            # (first: under cp the stage's own pre-hook takes the whole rows' attention_mask out of the call)
+            self._handles.append(stage.register_forward_pre_hook(self._stage_begins, with_kwargs=True, prepend=True))
             self._handles.append(stage.register_forward_hook(self._stage_ends))
             self._handles += [r.register_forward_hook(self._routed) for r in routers]
 
@@ -173,15 +178,21 @@ class PipelinedRouterLoss:
 
     def _stage_mask(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The stage call's ``attention_mask`` as one weight per routed token (None: every token counts)."""
-        mask = self._mask
-        if mask is None:
-            return None
-        if mask.numel() != logits.shape[0]:
-            raise ValueError(
-                f"par3d's pipelined router loss: a router routed {logits.shape[0]} tokens, but the stage's "
-                f"attention_mask holds {mask.numel()}; set output_router_logits=False, or train with pp=1."
-            )
-        return mask.reshape(-1).to(device=logits.device, dtype=torch.float32)
+        mask = self._rows_mask(logits.shape[0])
+        return None if mask is None else mask.reshape(-1).to(device=logits.device, dtype=torch.float32)
+
+    def _rows_mask(self, routed: int) -> torch.Tensor | None:
+        """The stage call's ``attention_mask`` (whole rows) at the ``routed`` tokens this rank's routers see: the
+        mask itself, or under context parallelism its columns at this rank's positions of each row."""
+        mask, context = self._mask, self.context
+        if mask is None or mask.numel() == routed:
+            return mask
+        if context is not None and mask.dim() == 2 and mask.numel() == routed * context.cp:
+            return mask[:, positions_of(context.cp_rank, context.cp, mask.shape[1], mask.device)]
+        raise ValueError(
+            f"par3d's pipelined router loss: a router routed {routed} tokens, but the stage's attention_mask holds "
+            f"{mask.numel()}; set output_router_logits=False, or train with pp=1."
+        )
 
     def _stage_ends(self, _stage: nn.Module, _args: tuple, output: Any) -> Any:
         if self._checking is not None:
@@ -205,7 +216,7 @@ class PipelinedRouterLoss:
         self._checked = True
         if not callable(self.own) or not gate_logits:
             return
-        mask = self._mask
+        mask = self._rows_mask(gate_logits[0].shape[0])
         with torch.no_grad():
             own = self.own(tuple(gate_logits), self.experts, self.top_k, mask)
             counts, probs, rows = _sums_of(gate_logits, self.experts, self.top_k, mask)
@@ -283,6 +294,8 @@ class PipelinedRouterLoss:
             self.mode = OFF
         sums = self._sums.clone()
         dist.all_reduce(sums, group=self.pp_group)
+        if self.context is not None:  # the data-parallel rank's whole rows: the slices of its cp ranks
+            dist.all_reduce(sums, group=self.context.group)
         counts, rows, probs = sums[: self.experts], sums[self.experts], sums[self.experts + 1 :]
         aux = self.experts * (counts * probs).sum() / rows.clamp(min=1) ** 2
         return loss + (self.coef * aux).to(loss), aux.to(loss)

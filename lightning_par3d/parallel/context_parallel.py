@@ -58,6 +58,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_par3d.utils.model_changes import set_attribute, swap_class
 from lightning_par3d.utils.patterns import find_transformers_model, is_transformers_model
+from lightning_par3d.utils.torch_private import in_backward
 
 SDPA = F.scaled_dot_product_attention
 _MARK = "_par3d_context_parallel"
@@ -201,8 +202,11 @@ class ContextParallel:
         the same input object, maybe after the forwards of other rows (a pipeline's later microbatches): the slice
         is found again by that object."""
         rows = self.current
-        if isinstance(hidden, torch.Tensor):
-            rows = self._rows_of.setdefault(hidden, rows)
+        if isinstance(hidden, torch.Tensor):  # a forward records its input's rows; a recomputation (in backward) reads
+            if in_backward():  # them back (a forward-only schedule passes each microbatch in the same buffer object)
+                rows = self._rows_of.get(hidden, rows)
+            else:
+                self._rows_of[hidden] = rows
         self.in_block += 1
         self._attending.append(rows)
         try:
