@@ -271,7 +271,7 @@ def test_predict_returns_the_logits_on_every_pipeline_rank(pool2):
 def test_a_call_whose_own_loss_ran_cannot_train_again_through_the_declared_loss():
     """Under pp a trunk call with ``labels=`` runs the model's own loss at once; handing its output to the declared
     loss as well would train the batch twice: refused, naming both ways out. A call that did not run goes on."""
-    from lightning_par3d.pipeline.runner import PendingPipelineOutput
+    from lightning_par3d.pipeline.runner import OwnLossOutput, PendingPipelineOutput
     from lightning_par3d.pipeline.trunk import PipelinedLoss
 
     ran = []
@@ -279,6 +279,9 @@ def test_a_call_whose_own_loss_ran_cannot_train_again_through_the_declared_loss(
     pending = PendingPipelineOutput((), {"input_ids": torch.zeros(1, 2)})
     loss(pending, None)
     assert ran == [pending]
-    pending.loss = torch.ones(())  # type: ignore[attr-defined]  (as the engine's own-loss run leaves it)
+    done = OwnLossOutput((), {"input_ids": torch.zeros(1, 2)}, loss=torch.ones(()))  # what the own-loss run returns
     with pytest.raises(ValueError, match=r"cannot go to the declared pipeline_loss too .* Return the output's \.loss"):
-        loss(pending, None)
+        loss(done, None)
+    assert done.loss == 1 and done.aux_loss is None
+    with pytest.raises(AttributeError, match=r"returns its own \.loss .* `\.logits` stayed inside the pipeline"):
+        done.logits  # noqa: B018

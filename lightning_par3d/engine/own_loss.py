@@ -25,7 +25,7 @@ from lightning_par3d.engine import pipeline_router_loss
 from lightning_par3d.engine.context_rows import cut_call
 from lightning_par3d.engine.router_loss import call_for, places_of
 from lightning_par3d.parallel.context_parallel import context_parallel_of
-from lightning_par3d.pipeline.runner import PendingPipelineOutput
+from lightning_par3d.pipeline.runner import OwnLossOutput, PendingPipelineOutput
 from lightning_par3d.pipeline.transformers_stages import IGNORE_INDEX, own_loss_of, shifted_labels
 from lightning_par3d.pipeline.trunk import (
     PipelineHost,
@@ -95,7 +95,7 @@ def install_router(engine: Par3DEngine, module: nn.Module) -> pipeline_router_lo
     return router
 
 
-def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.Module) -> PendingPipelineOutput:
+def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.Module) -> OwnLossOutput:
     """Runs ``pending`` (the trunk's call, with ``labels=``) through the pipeline with the model's own loss, training
     (the module in training mode, gradients on) or forward only; returns it with ``loss`` (every rank) and, with
     the router's loss, ``aux_loss`` set."""
@@ -116,8 +116,7 @@ def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.
         return loss
 
     if router is None:
-        pending.loss = run()  # type: ignore[attr-defined]
-        return pending
+        return OwnLossOutput(pending.args, pending.kwargs, loss=run())
     if not train:
         loss, aux = router.evaluated(run)
     else:
@@ -140,8 +139,7 @@ def run_own_loss(engine: Par3DEngine, pending: PendingPipelineOutput, trunk: nn.
             router.route_ahead(calls, lambda c: runner.predict(cut_call(c, None, context)[0] if context else c,
                                                                engine.device, apart=True))  # fmt: skip
         loss, aux = router.trained(run, index, batches)
-    pending.loss, pending.aux_loss = loss, aux  # type: ignore[attr-defined]
-    return pending
+    return OwnLossOutput(pending.args, pending.kwargs, loss=loss, aux_loss=aux)
 
 
 def _batch_token_mean(loss_fn: Callable[[Any, Any], torch.Tensor], targets: torch.Tensor,

@@ -52,6 +52,26 @@ class PendingPipelineOutput:
 
 
 @dataclass
+class OwnLossOutput(PendingPipelineOutput):
+    """What a pipelined transformers causal LM called with ``labels=`` returns (its own loss run at once): ``loss``
+    and, for a mixture of experts adding its router's loss, ``aux_loss``, on every rank. Its logits stayed inside the
+    schedule, on the last stage."""
+
+    loss: Any = None
+    aux_loss: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"par3d: under pp a call of the model with labels= returns its own .loss (and a router's .aux_loss); "
+            f"`.{name}` stayed inside the pipeline schedule, on the last stage. For the logits, call the model "
+            "without labels= in a forward-only step (validation, test, predict, torch.no_grad()), where it returns "
+            "them on every rank."
+        )
+
+
+@dataclass
 class PipelineRunner:
     """This rank's part of the pipeline: its stage modules, torch's schedule over them, and where the last stage is.
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par3d.pipeline.runner import PendingPipelineOutput
+from lightning_par3d.pipeline.runner import OwnLossOutput, PendingPipelineOutput
 from lightning_par3d.utils.model_changes import set_attribute, swap_class
 
 
@@ -117,7 +117,7 @@ class PipelinedLoss:
 
     def __call__(self, outputs: Any, targets: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(outputs, PendingPipelineOutput):
-            if "loss" in vars(outputs):  # the trunk was called with labels=: its own loss ran, backward included
+            if isinstance(outputs, OwnLossOutput):  # the trunk was called with labels=: its loss ran, backward too
                 raise ValueError(
                     "Under pp > 1 a call of the pipelined model with labels= runs the model's own loss (forward and "
                     "backward) at once, so this output cannot go to the declared pipeline_loss too (the batch would "
