@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_par3d.engine.router_loss import OWN_FUNCTION
+from lightning_par3d.engine.router_loss import OWN_FUNCTION, differs_refusal, routed, routing_sums
 from lightning_par3d.parallel.context_parallel import positions_of
 from lightning_par3d.utils.patterns import find_transformers_model
 from lightning_par3d.utils.torch_private import in_backward, in_pipeline_metadata_inference
@@ -169,7 +169,7 @@ class PipelinedRouterLoss:
             return  # (in a backward, activation checkpointing recomputes the router: counted once)
         logits = output[self.index] if isinstance(output, (tuple, list)) else output
         with torch.no_grad():  # (nothing saved for backward inside a checkpointed layer: its recompute saves nothing)
-            counts, probs, rows = _routing(logits, self._stage_mask(logits), self.experts, self.top_k)
+            counts, probs, rows = routed(logits, self._stage_mask(logits), self.experts, self.top_k)
             self._sums += torch.cat([counts, rows.reshape(1), probs]).to(self._sums)
         if self.mode == COUNT and self._checking is not None:
             self._checking.append(logits.detach())
@@ -198,15 +198,15 @@ class PipelinedRouterLoss:
         if self._checking is not None:
             self._check_own(self._checking)
             self._checking = None
-        routed, self._logits = self._logits, []
+        calls, self._logits = self._logits, []
         try:
-            if self.mode != TRAIN or not routed or self._skipping or self.window is None:
+            if self.mode != TRAIN or not calls or self._skipping or self.window is None:
                 return None
             if not isinstance(output, torch.Tensor):
                 raise TypeError("par3d's pipelined router loss needs each stage to return one tensor.")
             # the routers' terms, computed here, outside any checkpointed layer: Σ_e c_e · p_e of each router call
             counts = self.window.counts.to(torch.float32)
-            terms = [(_routing(x, self._stage_mask(x), self.experts, self.top_k)[1] * counts).sum() for x in routed]
+            terms = [(routed(x, self._stage_mask(x), self.experts, self.top_k)[1] * counts).sum() for x in calls]
             return _WithTermGradient.apply(output, torch.stack(terms).sum() * self.window.scale)
         finally:
             self._mask = None
@@ -219,7 +219,7 @@ class PipelinedRouterLoss:
         mask = self._rows_mask(gate_logits[0].shape[0])
         with torch.no_grad():
             own = self.own(tuple(gate_logits), self.experts, self.top_k, mask)
-            counts, probs, rows = _sums_of(gate_logits, self.experts, self.top_k, mask)
+            counts, probs, rows = (x.double() for x in routing_sums(tuple(gate_logits), self.experts, self.top_k, mask))
             mine = self.experts * (counts * probs).sum() / rows**2
         if not torch.allclose(torch.as_tensor(own, dtype=mine.dtype), mine, rtol=1e-5, atol=1e-7):
             self._differs = 1.0
@@ -249,11 +249,7 @@ class PipelinedRouterLoss:
         if group is not None:
             dist.all_reduce(counted, group=group)
         if counted[-1] > 0:
-            raise ValueError(
-                f"The model's {OWN_FUNCTION} differs from the Switch Transformer loss par3d computes over the global "
-                "batch under pipelining: par3d does not know how to make this model's load-balancing loss the global "
-                "batch's. Set output_router_logits=False, or train without pipelining (pp=1)."
-            )
+            raise differs_refusal("under pipelining, on a stage's routers", "train without pipelining (pp=1)")
         counts, rows = counted[: self.experts], counted[self.experts]
         scale = self.coef * self.dp * self.experts / float(rows) ** 2
         self.window = _Window(counts, float(rows), scale, [c[self.experts + 1 :] for c in chain], local)
@@ -301,29 +297,13 @@ class PipelinedRouterLoss:
         return loss + (self.coef * aux).to(loss), aux.to(loss)
 
 
+@dataclass
 class _Window:
     """A window's sums: its counts and rows over every rank, the gradient terms' scale, this data-parallel rank's
     probabilities per batch (over its pipeline stages), and this rank's own sums per batch (for the check)."""
 
-    def __init__(self, counts: torch.Tensor, rows: float, scale: float, probs: list[torch.Tensor],
-                 local: list[torch.Tensor]) -> None:  # fmt: skip
-        self.counts, self.rows, self.scale, self.probs, self.local = counts, rows, scale, probs, local
-
-
-def _routing(logits: torch.Tensor, mask: torch.Tensor | None, experts: int,
-             top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One router call's (token, choice) pairs per expert, summed probabilities per expert (with the gradient
-    ``logits`` has) and rows, over the tokens ``mask`` weighs (every token if None)."""
-    weights = F.softmax(logits.float(), dim=-1)
-    chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
-    ones = torch.ones(logits.shape[0], device=logits.device) if mask is None else mask
-    counts = torch.zeros(experts, device=logits.device).index_add(0, chosen, ones.repeat_interleave(top_k))
-    return counts, (weights * ones.unsqueeze(-1)).sum(dim=0), ones.sum()
-
-
-def _sums_of(gate_logits: list[torch.Tensor], experts: int, top_k: int,
-             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    from lightning_par3d.engine.router_loss import routing_sums
-
-    counts, probs, rows = routing_sums(tuple(gate_logits), experts, top_k, mask)
-    return counts.double(), probs.double(), rows.double()
+    counts: torch.Tensor
+    rows: float
+    scale: float
+    probs: list[torch.Tensor]
+    local: list[torch.Tensor]

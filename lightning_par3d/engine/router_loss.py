@@ -227,12 +227,7 @@ class _GlobalRouterLoss:
         if group is not None:
             dist.all_reduce(summed, group=group)
         if summed[-1] > 0:
-            raise ValueError(
-                f"The model's {OWN_FUNCTION} differs from the Switch Transformer loss par3d computes over the global "
-                f"batch ({differs or 'on another data-parallel rank'}): par3d does not know how to make this model's "
-                "load-balancing loss the global batch's. Set output_router_logits=False, or train with one "
-                "data-parallel rank."
-            )
+            raise differs_refusal(differs or "on another data-parallel rank", "train with one data-parallel rank")
         self.totals = (summed[:-2], summed[-2])
         return self.totals
 
@@ -334,24 +329,34 @@ def _mask_of_slice(model: nn.Module) -> Callable[[Any], Any]:
     return cut
 
 
+def routed(logits: torch.Tensor, mask: torch.Tensor | None, num_experts: int,
+           top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One router call's (token, choice) pairs per expert, summed router probabilities per expert (with the gradient
+    ``logits`` has) and rows, over the tokens ``mask`` (one float per token) weighs, every token if None; softmax and
+    top-k as the model's own ``load_balancing_loss_func`` takes them."""
+    weights = F.softmax(logits, dim=-1)
+    chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
+    ones = mask if mask is not None else torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+    counts = counts.index_add(0, chosen, ones.repeat_interleave(top_k))
+    return counts, (weights.float() * ones.unsqueeze(-1)).sum(dim=0), ones.sum()
+
+
 def routing_sums(gate_logits: tuple, num_experts: int, top_k: int,
           attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Over every layer's router logits and the unmasked rows: the (token, choice) pairs routed to each expert (no
-    gradient), the sum of each expert's router probabilities, and the rows."""
+    gradient), the sum of each expert's router probabilities, and the rows (:func:`routed`, summed)."""
     device = gate_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
-    for logits in gate_logits:
-        weights = F.softmax(logits.to(device), dim=-1)
-        _, chosen = torch.topk(weights, top_k, dim=-1)
-        if mask is None:
-            counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).to(torch.float32)
-            probs = probs + weights.float().sum(dim=0)
-            rows = rows + weights.shape[0]
-        else:
-            counts = counts.index_add(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
-            probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-            rows = rows + mask.sum()
+    each = [routed(logits.to(device), mask, num_experts, top_k) for logits in gate_logits]
+    counts, probs, rows = (torch.stack([layer[i] for layer in each]).sum(dim=0) for i in range(3))
     return counts.detach(), probs, rows
+
+
+def differs_refusal(detail: str, fix: str) -> ValueError:
+    """The error for a model whose own ``load_balancing_loss_func`` is not the loss par3d makes the global batch's."""
+    return ValueError(
+        f"The model's {OWN_FUNCTION} differs from the Switch Transformer loss par3d computes over the global batch "
+        f"({detail}): par3d does not know how to make this model's load-balancing loss the global batch's. Set "
+        f"output_router_logits=False, or {fix}."
+    )

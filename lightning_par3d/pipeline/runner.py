@@ -42,7 +42,11 @@ class PendingPipelineOutput:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(
+        raise AttributeError(self._unreadable(name))
+
+    def _unreadable(self, name: str) -> str:
+        """Why ``.name`` cannot be read from this output, and what to do instead."""
+        return (
             f"par3d: under pp, in a training step, the pipelined trunk's output exists only inside the schedule, "
             f"which runs with the loss: `.{name}` cannot be read from it. Pass the trunk's output straight to the "
             "declared `pipeline_loss` (metrics that need the logits can be updated inside that loss, where they are "
@@ -60,10 +64,8 @@ class OwnLossOutput(PendingPipelineOutput):
     loss: Any = None
     aux_loss: Any = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
+    def _unreadable(self, name: str) -> str:
+        return (
             f"par3d: under pp a call of the model with labels= returns its own .loss (and a router's .aux_loss); "
             f"`.{name}` stayed inside the pipeline schedule, on the last stage. For the logits, call the model "
             "without labels= in a forward-only step (validation, test, predict, torch.no_grad()), where it returns "
